@@ -1,0 +1,71 @@
+"""Compose a command's config with Hydra, then check it against its dataclass schema.
+
+Unknown keys, wrong types, missing required values and cross-field conflicts all fail here,
+in the launching process, before any rank starts; the message names the key.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from aligner import CONF_DIR
+from aligner.config.schema import COMMANDS
+from aligner.config.validate import validate
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _schema_merge(schema, *configs) -> DictConfig:
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), *configs)
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # resolve + find MISSING
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(e).splitlines()[0]
+        if "Missing mandatory value" in msg:
+            msg = f"missing required value; pass {key}=..."
+        raise ConfigError(f"config key '{key}': {msg}") from None
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def load_config(command: str, overrides: list[str], world_size: int | None = None) -> DictConfig:
+    """Compose `conf/<command>.yaml` + overrides, type-check, resolve and validate."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    if command not in COMMANDS:
+        raise ConfigError(f"unknown command '{command}'; expected one of {sorted(COMMANDS)}")
+    name, schema = COMMANDS[command]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            composed = compose(config_name=name, overrides=list(overrides))
+    except HydraException as e:
+        raise ConfigError(f"conf/{name}.yaml with overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
+    cfg = _schema_merge(schema, composed)
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # freeze interpolations
+    cfg = _schema_merge(schema, cfg)
+    validate(cfg, world_size if world_size is not None else expected_world_size(cfg))
+    return cfg
+
+
+def load_resolved(path: str | Path, command: str = "sft") -> DictConfig:
+    """Re-load a resolved `config.yaml` written by `load_config` (what every rank reads)."""
+    _, schema = COMMANDS[command]
+    return _schema_merge(schema, OmegaConf.load(path))
+
+
+def expected_world_size(cfg) -> int:
+    """Ranks this run will have: an outer launcher's world, else nproc_per_node x Slurm nodes."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return int(os.environ["SLURM_NTASKS"])
+    return cfg.launcher.nproc_per_node * int(os.environ.get("SLURM_NNODES", "1"))

@@ -1,0 +1,1 @@
+"""Process-level concerns: device detection, CPU shims, distributed init, seeding, optional deps."""

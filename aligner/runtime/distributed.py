@@ -1,0 +1,91 @@
+"""Process-group set-up from whichever launcher started us, and megatron parallel state.
+
+Launchers we recognise, in order: torchrun (and our embedded launcher, which sets the same
+variables), Slurm `srun` (SLURM_PROCID/SLURM_NTASKS, MASTER_ADDR exported by the sbatch script),
+and a plain single process.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from aligner.runtime import cpu_shims
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_info_from_env(env=os.environ) -> ProcessInfo:
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun / embedded launcher
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
+    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun, one task per device
+        rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+        if "MASTER_ADDR" not in env:
+            raise RuntimeError("running under srun with several tasks but MASTER_ADDR is not set; export it in the "
+                               "sbatch script: MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1)")
+    else:
+        rank, world, local = 0, 1, 0
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else (free_port() if world == 1 else 29500)
+    return ProcessInfo(rank, world, local, addr, port)
+
+
+def init_process_group(timeout_s: int = 600) -> ProcessInfo:
+    """gloo on CPU, NCCL on GPU. Idempotent."""
+    info = process_info_from_env()
+    cpu_shims.apply()
+    if dist.is_initialized():
+        return info
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{info.master_addr}:{info.master_port}", rank=info.rank,
+        world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    return info
+
+
+def init_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    world = dist.get_world_size()
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by TP*PP*CP = {tp}*{pp}*{cp}; launch a multiple of "
+                         f"{tp * pp * cp} processes (launcher.nproc_per_node x nodes)")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp)
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized():
+        dist.barrier()
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,55 @@
+"""The one place that knows about optional, GPU-only packages.
+
+`probe` tells *installed* from *importable*: GPU packages install on CPU hosts but fail at import
+with OSError/RuntimeError (no libcuda), not ImportError. `require` raises an error that names the
+extra to install. Nothing here fakes a missing package.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+
+# import name -> (pip extra of aligner, what it is for)
+OPTIONAL = {
+    "transformer_engine": ("te", "the Transformer-Engine layer spec, TE context-parallel attention and FP8"),
+    "tensorrt_llm": ("trtllm", "TensorRT-LLM rollout generation (install from NVIDIA's index on a GPU image)"),
+    "pytriton": ("serve", "the PyTriton reward/critic/verifier servers"),
+}
+
+
+class MissingOptionalDependency(ImportError):
+    pass
+
+
+@dataclass(frozen=True)
+class Availability:
+    name: str
+    installed: bool
+    importable: bool
+    reason: str | None
+
+
+def probe(name: str) -> Availability:
+    if importlib.util.find_spec(name) is None:
+        return Availability(name, False, False, "not installed")
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # GPU packages raise OSError/RuntimeError without a driver
+        return Availability(name, True, False, f"{type(e).__name__}: {e}")
+    return Availability(name, True, True, None)
+
+
+def require(name: str) -> ModuleType:
+    extra, purpose = OPTIONAL[name]
+    found = probe(name)
+    if found.importable:
+        return importlib.import_module(name)
+    hint = (f"install it with `pip install 'aligner[{extra}]'`" if not found.installed
+            else "it is installed but cannot load on this host (no GPU driver?)")
+    raise MissingOptionalDependency(f"{name} is needed for {purpose}; {hint}. Detail: {found.reason}")
+
+
+def report() -> dict[str, Availability]:
+    return {name: probe(name) for name in OPTIONAL}
