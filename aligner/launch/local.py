@@ -1,0 +1,97 @@
+"""The embedded launcher: starts N local ranks of an entry point, the way torchrun would.
+
+Each rank runs `python -m aligner.launch.worker <module:function> <args...>` with the usual
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT variables. Rank 0 writes to our
+stdout/stderr, the others to `<log_dir>/rank_<r>.log`. When a rank fails, the others are
+stopped and that rank's traceback is printed, so the user sees the first real error.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from aligner.runtime.distributed import free_port
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def _rank_env(rank: int, world: int, port: int, threads: int, error_file: Path) -> dict:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ALIGNER_ERROR_FILE=str(error_file),
+               OMP_NUM_THREADS=str(threads))
+    env.pop("SLURM_PROCID", None)  # we are the launcher now, not srun
+    return env
+
+
+def _stop(procs, grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.time() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None = None,
+           master_port: int | None = None, threads_per_rank: int = 1) -> None:
+    """Run `entry` (module:function taking argv) on `nproc` local ranks; raise RankFailed on failure."""
+    log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="aligner-launch-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = master_port or free_port()
+    procs, logs = [], []
+    for rank in range(nproc):
+        error_file = log_dir / f"rank_{rank}.error"
+        error_file.unlink(missing_ok=True)
+        out = None
+        if rank > 0:
+            out = open(log_dir / f"rank_{rank}.log", "w")
+            logs.append(out)
+        cmd = [sys.executable, "-m", "aligner.launch.worker", entry, *args]
+        procs.append(subprocess.Popen(cmd, env=_rank_env(rank, nproc, port, threads_per_rank, error_file),
+                                      stdout=out, stderr=subprocess.STDOUT if out else None))
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def forward(signum, frame):
+        _stop(procs)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for s in previous:
+        signal.signal(s, forward)
+    try:
+        failed = None
+        while failed is None and any(p.poll() is None for p in procs):
+            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            time.sleep(0.05)
+        if failed is None:
+            failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+        if failed is not None:
+            time.sleep(0.5)  # let sibling failures land, then stop the rest
+            _stop(procs)
+            raise RankFailed(_failure_report(failed, procs[failed].returncode, log_dir))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for f in logs:
+            f.close()
+
+
+def _failure_report(rank: int, code: int, log_dir: Path) -> str:
+    error_file = log_dir / f"rank_{rank}.error"
+    detail = error_file.read_text() if error_file.exists() else ""
+    if not detail and (log_dir / f"rank_{rank}.log").exists():
+        detail = "".join((log_dir / f"rank_{rank}.log").read_text().splitlines(True)[-40:])
+    where = f" (log: {log_dir / f'rank_{rank}.log'})" if rank > 0 else ""
+    return f"rank {rank} failed with exit code {code}{where}:\n{detail.rstrip()}"

@@ -1,0 +1,29 @@
+"""One rank started by the embedded launcher: `python -m aligner.launch.worker module:function args...`.
+
+A failure's traceback goes to $ALIGNER_ERROR_FILE so that the launcher can report it."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+
+
+def main(argv: list[str]) -> int:
+    module, function = argv[0].split(":")
+    try:
+        getattr(importlib.import_module(module), function)(argv[1:])
+    except BaseException as e:  # noqa: BLE001 - report everything, then fail
+        if isinstance(e, SystemExit) and not e.code:
+            return 0
+        text = traceback.format_exc()
+        if os.environ.get("ALIGNER_ERROR_FILE"):
+            with open(os.environ["ALIGNER_ERROR_FILE"], "w") as f:
+                f.write(text)
+        print(text, file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

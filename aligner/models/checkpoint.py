@@ -1,0 +1,134 @@
+"""Checkpoints: megatron `dist_checkpointing` weights (reshardable to any TP/PP) plus our metadata.
+
+Layout of a checkpoint directory:
+    aligner.json          model architecture, vocabulary size, head kind, trainer state (step, data position, ...)
+    weights/              dist_checkpointing of {"model": ..., "optimizer": ...}
+    rank_state/rank_<r>.pt  per-rank RNG states (torch, CUDA, numpy, python, megatron tracker)
+    COMPLETE              written last
+A checkpoint is first written to `<dir>.partial` and renamed once every rank has finished, so a
+process that dies mid-save never leaves a directory that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+FORMAT_VERSION = 1
+PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "sequence_parallel")
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(path, model, model_cfg, vocab_size: int, *, optimizer=None, trainer_state: dict | None = None,
+                    rank_state: dict | None = None, head: str = "lm") -> Path:
+    """Collective: every rank calls it. Returns the published directory."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / "rank_state").mkdir(parents=True)
+        (partial / "weights").mkdir()
+    _barrier()
+    sharded = {"model": unwrap(model).sharded_state_dict()}
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
+    dist_checkpointing.save(sharded, str(partial / "weights"))
+    if rank_state is not None:
+        torch.save(rank_state, partial / "rank_state" / f"rank_{_rank():05d}.pt")
+    if _rank() == 0:
+        model_dict = OmegaConf.to_container(model_cfg, resolve=True) if not isinstance(model_cfg, dict) else dict(model_cfg)
+        meta = {"format": FORMAT_VERSION, "head": head, "vocab_size": vocab_size,
+                "model": {k: v for k, v in model_dict.items() if k not in PARALLEL_KEYS and k != "pretrained"},
+                "saved_with": {k: model_dict[k] for k in PARALLEL_KEYS},
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "trainer_state": trainer_state or {}}
+        (partial / "aligner.json").write_text(json.dumps(meta, indent=2))
+    _barrier()
+    if _rank() == 0:
+        (partial / "COMPLETE").write_text("")
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(partial, path)
+    _barrier()
+    return path
+
+
+def is_complete(path) -> bool:
+    path = Path(path)
+    return (path / "COMPLETE").exists() and (path / "aligner.json").exists() and not path.name.endswith(".partial")
+
+
+def read_metadata(path) -> dict:
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete aligner checkpoint (expected aligner.json, weights/ "
+                                f"and COMPLETE); convert a Hugging Face model with `aligner convert hf-to-mcore`")
+    return json.loads((path / "aligner.json").read_text())
+
+
+def latest_checkpoint(checkpoints_dir) -> Path | None:
+    """The complete checkpoint with the highest step recorded *inside* it (names are not trusted)."""
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return None
+    found = [(read_metadata(p)["trainer_state"].get("step", -1), p) for p in root.iterdir() if is_complete(p)]
+    return max(found)[1] if found else None
+
+
+def load_weights(path, model) -> None:
+    """Load the model weights into `model` (any TP/PP layout: dist_checkpointing reshards)."""
+    from megatron.core import dist_checkpointing
+
+    inner = unwrap(model)
+    loaded = dist_checkpointing.load({"model": inner.sharded_state_dict()}, str(Path(path) / "weights"))
+    inner.load_state_dict(loaded["model"])
+
+
+def load_training_state(path, model, optimizer) -> tuple[dict, dict | None]:
+    """Weights + optimizer state; returns (trainer_state, this rank's rank_state or None)."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    inner = unwrap(model)
+    model_sd = inner.sharded_state_dict()
+    sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    loaded = dist_checkpointing.load(sharded, str(path / "weights"))
+    inner.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    rank_file = path / "rank_state" / f"rank_{_rank():05d}.pt"
+    meta = read_metadata(path)
+    same_world = meta["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1)
+    rank_state = torch.load(rank_file, weights_only=False) if same_world and rank_file.exists() else None
+    return meta["trainer_state"], rank_state
+
+
+def model_config_from_checkpoint(path, **parallel):
+    """A ModelConfig (OmegaConf) for a checkpoint, with this run's parallel layout."""
+    from aligner.config.schema import ModelConfig
+
+    meta = read_metadata(path)
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["model"], parallel)
+    return cfg, meta["vocab_size"]
