@@ -4,6 +4,7 @@ Layout of a checkpoint directory:
     aligner.json          model architecture, vocabulary size, head kind, trainer state (step, data position, ...)
     weights/              dist_checkpointing of {"model": ..., "optimizer": ...}
     rank_state/rank_<r>.pt  per-rank RNG states (torch, CUDA, numpy, python, megatron tracker)
+    tokenizer/            the Hugging Face tokenizer, when one was given
     COMPLETE              written last
 A checkpoint is first written to `<dir>.partial` and renamed once every rank has finished, so a
 process that dies mid-save never leaves a directory that looks complete.
@@ -41,8 +42,10 @@ def _barrier() -> None:
 
 
 def save_checkpoint(path, model, model_cfg, vocab_size: int, *, optimizer=None, trainer_state: dict | None = None,
-                    rank_state: dict | None = None, head: str = "lm") -> Path:
-    """Collective: every rank calls it. Returns the published directory."""
+                    rank_state: dict | None = None, head: str = "lm", tokenizer=None,
+                    extra_meta: dict | None = None) -> Path:
+    """Collective: every rank calls it. Returns the published directory. `extra_meta` adds
+    top-level entries to aligner.json (e.g. "hf": the imported model's HF architecture/config)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -65,7 +68,10 @@ def save_checkpoint(path, model, model_cfg, vocab_size: int, *, optimizer=None, 
                 "saved_with": {k: model_dict[k] for k in PARALLEL_KEYS},
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "trainer_state": trainer_state or {}}
+        meta = {**(extra_meta or {}), **meta}  # our own keys always win
         (partial / "aligner.json").write_text(json.dumps(meta, indent=2))
+        if tokenizer is not None:  # makes the checkpoint self-contained for `aligner logprobs` / export
+            tokenizer.save_pretrained(str(partial / "tokenizer"))
     _barrier()
     if _rank() == 0:
         (partial / "COMPLETE").write_text("")

@@ -1,0 +1,57 @@
+"""`<run_dir>/metrics.jsonl` (one object per optimizer step), TensorBoard, and a progress bar.
+
+Only global rank 0 writes. On resume, lines for steps after the restored checkpoint are dropped
+so the file never holds two versions of a step."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, run_dir, tensorboard: bool = True, resume_step: int = 0):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(self.path, "a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, float(v), step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Progress:
+    """tqdm bar on stderr with ETA; silent when disabled."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, metrics: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in ("loss", "lr") if k in metrics}, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
