@@ -20,6 +20,13 @@ class ConfigError(ValueError):
     pass
 
 
+def _summary(error: BaseException) -> str:
+    """First line of a Hydra/OmegaConf error and of its cause (Hydra puts the reason there)."""
+    first = str(error).splitlines()[0].split(" To append")[0].strip()
+    cause = error.__cause__ or error.__context__
+    return f"{first} ({str(cause).splitlines()[0].strip()})" if cause else first
+
+
 def _schema_merge(schema, *configs) -> DictConfig:
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(schema), *configs)
@@ -34,6 +41,15 @@ def _schema_merge(schema, *configs) -> DictConfig:
     return cfg
 
 
+def _register_schemas() -> None:
+    """Make each command's dataclass the base of its YAML (`defaults: [<name>_schema, ...]`), so
+    Hydra itself type-checks every override against the schema."""
+    from hydra.core.config_store import ConfigStore
+
+    for name, schema in COMMANDS.values():
+        ConfigStore.instance().store(name=f"{name}_schema", node=schema)
+
+
 def load_config(command: str, overrides: list[str], world_size: int | None = None) -> DictConfig:
     """Compose `conf/<command>.yaml` + overrides, type-check, resolve and validate."""
     from hydra import compose, initialize_config_dir
@@ -42,11 +58,12 @@ def load_config(command: str, overrides: list[str], world_size: int | None = Non
     if command not in COMMANDS:
         raise ConfigError(f"unknown command '{command}'; expected one of {sorted(COMMANDS)}")
     name, schema = COMMANDS[command]
+    _register_schemas()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             composed = compose(config_name=name, overrides=list(overrides))
     except HydraException as e:
-        raise ConfigError(f"conf/{name}.yaml with overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"conf/{name}.yaml with overrides {list(overrides)}: {_summary(e)}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
     cfg = _schema_merge(schema, composed)

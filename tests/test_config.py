@@ -1,0 +1,69 @@
+"""Strict configuration: unknown keys, wrong types, missing values and cross-field conflicts fail
+before any process starts, and the message names the key and the fix."""
+import pytest
+from omegaconf import OmegaConf
+
+from aligner.config import ConfigError, load_config
+
+REQUIRED = ["data.train_path=train.jsonl", "tokenizer.path=tok"]
+
+
+def test_defaults_compose_and_resolve_interpolations():
+    cfg = load_config("sft", REQUIRED, world_size=1)
+    assert cfg.model.num_layers == 4 and cfg.model.hidden_size == 128  # conf/model/tiny.yaml
+    assert cfg.data.max_length == cfg.model.seq_length == cfg.model.max_position_embeddings
+    assert cfg.optim.decay_steps == cfg.trainer.max_steps
+    assert OmegaConf.is_struct(cfg)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("trainer.max_stepz=3", "max_stepz"),
+    ("+trainer.max_stepz=3", "max_stepz"),
+    ("model.num_layers=four", "model.num_layers"),
+    ("model.sequence_parallel=maybe", "model.sequence_parallel"),
+])
+def test_unknown_keys_and_wrong_types_name_the_key(override, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config("sft", REQUIRED + [override], world_size=1)
+
+
+def test_missing_required_value_says_how_to_pass_it():
+    with pytest.raises(ConfigError, match=r"data.train_path=\.\.\."):
+        load_config("sft", ["tokenizer.path=tok"], world_size=1)
+
+
+@pytest.mark.parametrize("overrides, world, fragment", [
+    (["trainer.global_batch_size=10", "trainer.micro_batch_size=4"], 1, "divisible by trainer.micro_batch_size=4"),
+    (["trainer.global_batch_size=12", "trainer.micro_batch_size=4"], 2, "data-parallel size 2"),
+    (["model.tensor_model_parallel_size=3"], 3, "num_attention_heads=4 is not divisible"),
+    (["model.pipeline_model_parallel_size=3"], 3, "num_layers=4 is not divisible"),
+    (["model.context_parallel_size=2", "model.seq_length=250"], 2, "divisible by 2 x context_parallel_size"),
+    (["model.tensor_model_parallel_size=2"], 3, "cannot be split"),
+    (["model.sequence_parallel=true"], 1, "sequence_parallel=true needs"),
+    (["model.num_query_groups=3"], 1, "multiple of model.num_query_groups"),
+])
+def test_cross_field_rules_explain_the_fix(overrides, world, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config("sft", REQUIRED + overrides, world_size=world)
+
+
+def test_world_size_follows_nproc_per_node(monkeypatch):
+    for var in ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_NNODES"):
+        monkeypatch.delenv(var, raising=False)
+    load_config("sft", REQUIRED + ["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="cannot be split"):
+        load_config("sft", REQUIRED + ["launcher.nproc_per_node=3", "model.tensor_model_parallel_size=2"])
+
+
+def test_unknown_model_group_option_is_reported():
+    with pytest.raises(ConfigError, match="model"):
+        load_config("sft", REQUIRED + ["model=no_such_model"], world_size=1)
+
+
+def test_every_model_yaml_matches_the_schema():
+    from aligner import CONF_DIR
+
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        cfg = load_config("sft", REQUIRED + [f"model={path.stem}"],
+                          world_size=OmegaConf.load(path).get("tensor_model_parallel_size", 1))
+        assert cfg.model.num_layers > 0, path

@@ -1,0 +1,20 @@
+"""The embedded launcher starts N ranks with the torchrun variables and reports a failing rank."""
+import pytest
+
+from aligner.launch.local import RankFailed, launch
+
+
+def test_ranks_get_torchrun_environment(tmp_path):
+    launch("tests.launch_workers:write_rank", [str(tmp_path)], 3)
+    files = sorted(p.name for p in tmp_path.glob("rank*"))
+    assert files == ["rank0_of_3", "rank1_of_3", "rank2_of_3"]
+    assert len({p.read_text() for p in tmp_path.glob("rank*")}) == 1  # one master port
+
+
+def test_failing_rank_traceback_is_reported(tmp_path):
+    with pytest.raises(RankFailed) as err:
+        launch("tests.launch_workers:fail_on_rank_one", ["boom"], 2, log_dir=tmp_path)
+    message = str(err.value)
+    assert message.startswith("rank 1 failed with exit code 1")
+    assert "ValueError: rank one refuses: boom" in message
+    assert "Traceback" in message
