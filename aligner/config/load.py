@@ -67,10 +67,29 @@ def load_config(command: str, overrides: list[str], world_size: int | None = Non
     except OmegaConfBaseException as e:
         raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
     cfg = _schema_merge(schema, composed)
+    if "model" in cfg and cfg.model.get("pretrained"):
+        _adopt_checkpoint_architecture(cfg)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # freeze interpolations
     cfg = _schema_merge(schema, cfg)
     validate(cfg, world_size if world_size is not None else expected_world_size(cfg))
     return cfg
+
+
+def _adopt_checkpoint_architecture(cfg) -> None:
+    """With model.pretrained, the architecture (and vocabulary) are the checkpoint's; only the
+    parallel layout and training-time options come from this config."""
+    import json
+
+    meta_path = Path(cfg.model.pretrained) / "aligner.json"
+    if not meta_path.exists():
+        raise ConfigError(f"model.pretrained={cfg.model.pretrained} is not an aligner checkpoint (no aligner.json); "
+                          f"import Hugging Face weights with `aligner convert hf-to-mcore` first")
+    architecture = json.loads(meta_path.read_text())["model"]
+    for key, value in architecture.items():
+        if key in cfg.model and key not in ("hidden_dropout", "attention_dropout", "seq_length",
+                                            "max_position_embeddings", "transformer_impl", "params_dtype"):
+            cfg.model[key] = value
+    cfg.model.vocab_size = json.loads(meta_path.read_text())["vocab_size"]
 
 
 def load_resolved(path: str | Path, command: str = "sft") -> DictConfig:
