@@ -1,0 +1,49 @@
+"""JSON Lines reading with `file:line:` error messages.
+
+Conventions: the file is UTF-8; line numbers are 1-based; blank (whitespace-only) lines are skipped;
+every other line must hold one JSON object. Errors are `DataError`s whose message starts with
+`"{path}:{line_no}: "` (or `"{path}: "` when the file itself cannot be opened).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+_JSON_TYPE = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+              type(None): "null"}
+
+
+class DataError(ValueError):
+    """A data file or one of its records is missing or malformed; the message says where and what was expected."""
+
+
+def json_type(value) -> str:
+    """How JSON names the type of a decoded value, for error messages ("an array", "a string", ...)."""
+    return _JSON_TYPE.get(type(value), "an object" if isinstance(value, dict) else type(value).__name__)
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """Yield `(line_no, obj)` for each non-blank line of `path`, where `obj` is a JSON object (a dict)."""
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot open ({e.strerror})") from None
+    with handle:
+        for line_no, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{line_no}: expected UTF-8 text") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: expected one JSON object per line, got invalid JSON "
+                                f"({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{line_no}: expected a JSON object per line, got {json_type(obj)}")
+            yield line_no, obj

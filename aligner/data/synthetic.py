@@ -1,0 +1,65 @@
+"""Synthetic arithmetic data for examples and tests, deterministic by seed.
+
+A problem is `{"question": "12+7=", "answer": "19"}` with operands in [0, max_operand]; subtraction
+puts the larger operand first, so every answer is a non-negative integer. Writers produce the two SFT
+formats that `aligner.data.sft` reads (chat and input/output), one JSON object per line.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def arithmetic_problems(n: int, seed: int, max_operand: int = 99, ops: str = "+-*") -> list[dict]:
+    """`n` problems drawn with `random.Random(seed)`: the same arguments always give the same list."""
+    if unknown := set(ops) - set(_APPLY):
+        raise ValueError(f"ops may only contain {''.join(_APPLY)}, got {''.join(sorted(unknown))}")
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(n):
+        op = rng.choice(ops)
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        if op == "-" and a < b:
+            a, b = b, a
+        problems.append({"question": f"{a}{op}{b}=", "answer": str(_APPLY[op](a, b))})
+    return problems
+
+
+def chat_messages(problem: dict) -> list[dict]:
+    """The user/assistant conversation for one problem: "What is 12+7?" -> "19"."""
+    return [{"role": "user", "content": f"What is {problem['question'][:-1]}?"},
+            {"role": "assistant", "content": problem["answer"]}]
+
+
+def _write_lines(path: str | Path, records) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def write_sft_chat(path: str | Path, n: int, seed: int, max_operand: int = 99) -> Path:
+    """Write `n` chat records `{"messages": [user, assistant]}` to `path`; returns `path`."""
+    problems = arithmetic_problems(n, seed, max_operand)
+    return _write_lines(path, ({"messages": chat_messages(p)} for p in problems))
+
+
+def write_input_output(path: str | Path, n: int, seed: int, max_operand: int = 99) -> Path:
+    """Write `n` records `{"input": "12+7=", "output": "19"}` to `path`; returns `path`."""
+    problems = arithmetic_problems(n, seed, max_operand)
+    return _write_lines(path, ({"input": p["question"], "output": p["answer"]} for p in problems))
+
+
+def corpus(n: int, seed: int, max_operand: int = 99) -> list[str]:
+    """Texts to train the tiny tokenizer on: `n` problems in both the chat and the input/output wording,
+    plus every number 0..max_operand, so numbers, operators and the question text get merged tokens."""
+    texts = [str(i) for i in range(max_operand + 1)]
+    for p in arithmetic_problems(n, seed, max_operand):
+        texts.append(f"What is {p['question'][:-1]}? {p['answer']}")
+        texts.append(p["question"] + p["answer"])
+    return texts
