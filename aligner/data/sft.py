@@ -15,9 +15,9 @@ Conventions:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 
 from aligner.data.jsonl import DataError, json_type, read_jsonl
 
