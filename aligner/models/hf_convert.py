@@ -1,0 +1,294 @@
+"""`aligner convert`: Hugging Face safetensors directories <-> aligner (megatron dist-checkpoint) dirs.
+
+hf_to_mcore  runs tp*pp ranks (in this process when that is 1); each builds its stage of the
+             model, reads only the HF tensors its parameters are made of (safe_open, so sharded
+             checkpoints with model.safetensors.index.json work and nothing else is loaded),
+             fills its TP shards and joins the collective save. The tokenizer files are copied
+             into <out>/tokenizer and the HF architecture / config.json / generation_config.json
+             are kept in aligner.json under "hf", so the checkpoint is self-contained.
+mcore_to_hf  builds the model from the checkpoint metadata (TP=PP=1 unless asked; the
+             dist-checkpoint reshards on load) and writes config.json plus safetensors shards
+             (with an index when there are several) from `iter_hf_weights`, plus the tokenizer.
+Both entry points are importable without torch.distributed being initialised. With one rank they
+run in the calling process, where dist_checkpointing starts a multiprocessing helper by *spawn*:
+a script calling them needs the usual `if __name__ == "__main__":` guard.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from aligner.models import hf_weights as hw
+
+# Files of a HF model directory that belong to its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "chat_template.jinja",
+                   "chat_template.json")
+DEFAULT_SHARD_BYTES = 2 * 10**9
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def read_hf_config(hf_dir) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: expected a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of a HF directory (single file or index + shards)."""
+
+    def __init__(self, hf_dir):
+        hf_dir = Path(hf_dir)
+        index = hf_dir / "model.safetensors.index.json"
+        if index.exists():
+            self.files = {name: hf_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (hf_dir / "model.safetensors").exists():
+            from safetensors import safe_open
+
+            with safe_open(hf_dir / "model.safetensors", "pt") as f:
+                self.files = {name: hf_dir / "model.safetensors" for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {hf_dir}; only "
+                                    "safetensors checkpoints are supported (re-save with safe_serialization=True)")
+        self._open = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise KeyError(f"tensor {name} is not in the checkpoint")
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(path, "pt")
+        return self._open[path].get_tensor(name)
+
+
+class TokenizerFiles:
+    """Stands in for a tokenizer in `save_checkpoint(tokenizer=...)`: saving copies the files."""
+
+    def __init__(self, src_dir, names=TOKENIZER_FILES):
+        self.files = [Path(src_dir) / n for n in names if (Path(src_dir) / n).is_file()]
+
+    def save_pretrained(self, dst_dir) -> None:
+        Path(dst_dir).mkdir(parents=True, exist_ok=True)
+        for f in self.files:
+            shutil.copy2(f, Path(dst_dir) / f.name)
+
+
+def _check_layout(fields: dict, tp: int, pp: int) -> None:
+    sizes = {"num_attention_heads": fields["num_attention_heads"], "num_key_value_heads": fields["num_query_groups"],
+             "intermediate_size": fields["ffn_hidden_size"]}
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
+    if bad:
+        raise ValueError(f"TP={tp} must divide {', '.join(bad)}")
+    if fields["num_layers"] % pp:
+        raise ValueError(f"PP={pp} must divide num_hidden_layers={fields['num_layers']}")
+
+
+def _model_config(fields: dict, tp: int, pp: int):
+    from omegaconf import OmegaConf
+
+    from aligner.config.schema import ModelConfig
+
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), fields,
+                           {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp})
+
+
+@contextlib.contextmanager
+def single_process():
+    """A one-rank process group with TP=PP=1 for in-process work; torn down afterwards if we made it."""
+    import torch.distributed as dist
+
+    from aligner.runtime.distributed import init_model_parallel, init_process_group, shutdown
+
+    created = not dist.is_initialized()
+    init_process_group()
+    if dist.get_world_size() != 1:
+        raise RuntimeError("single_process() inside a multi-rank job; call the *_rank functions there instead")
+    init_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        if created:
+            shutdown()
+
+
+def run_ranks(entry: str, args: list[str], nproc: int) -> None:
+    """`entry` on `nproc` ranks: in this process for one rank, else through the local launcher."""
+    if nproc == 1:
+        import importlib
+
+        module, function = entry.split(":")
+        with single_process():
+            getattr(importlib.import_module(module), function)(args, initialised=True)
+        return
+    from aligner.launch.local import launch
+
+    launch(entry, args, nproc)
+
+
+def _fresh_output_dir(out_dir) -> Path:
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} already exists and is not empty; choose a new output directory")
+    return out
+
+
+def rank_main(argv, initialised, work):
+    """Shared launched-rank wrapper: process group + model parallel (tp, pp from argv[-2:])."""
+    from aligner.runtime.distributed import init_model_parallel, init_process_group, shutdown
+
+    tp, pp = int(argv[-2]), int(argv[-1])
+    if initialised:
+        return work(*argv[:-2], tp=tp, pp=pp)
+    init_process_group()
+    init_model_parallel(tp, pp)
+    try:
+        work(*argv[:-2], tp=tp, pp=pp)
+    finally:
+        shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# HF -> megatron
+# ---------------------------------------------------------------------------------------------
+def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str | None = None) -> Path:
+    """Import a HF Llama / Qwen2 / Mistral directory as an aligner checkpoint saved at TP x PP.
+    `params_dtype` (float32 | bfloat16) defaults to the HF dtype (bfloat16 stays bfloat16, else float32)."""
+    fields = hw.model_fields_from_hf(read_hf_config(hf_dir))  # clear errors before any rank starts
+    _check_layout(fields, tp, pp)
+    SafetensorsReader(hf_dir)
+    run_ranks("aligner.models.hf_convert:_import_main", [str(hf_dir), str(out_dir), params_dtype or "", str(tp), str(pp)],
+         tp * pp)
+    return Path(out_dir)
+
+
+def _import_main(argv: list[str], initialised: bool = False) -> None:
+    rank_main(argv, initialised, import_rank)
+
+
+@torch.no_grad()
+def import_rank(hf_dir, out_dir, params_dtype: str = "", *, tp: int, pp: int) -> None:
+    """Collective, in a process group already set up for (tp, pp): build, fill, save."""
+    from megatron.core import parallel_state as ps
+
+    from aligner.models.checkpoint import save_checkpoint
+    from aligner.models.gpt import build_gpt, layer_offset
+    from aligner.runtime.seeding import seed_everything
+
+    hf_config = read_hf_config(hf_dir)
+    fields = hw.model_fields_from_hf(hf_config)
+    if params_dtype:
+        fields["params_dtype"] = params_dtype
+    cfg = _model_config(fields, tp, pp)
+    vocab = fields["vocab_size"]
+    seed_everything(0)  # initial values are overwritten; megatron still needs its RNG tracker seeded
+    model = build_gpt(cfg, vocab)
+    g = hw.Geometry.of(cfg, vocab)
+    reader, offset, tp_rank = SafetensorsReader(hf_dir), layer_offset(cfg), ps.get_tensor_model_parallel_rank()
+    for name, param in model.named_parameters():
+        canonical = hw.canonical_name(name, offset)
+        full = hw.from_hf(canonical, reader.get, g)
+        param.copy_(hw.shard(canonical, full, tp, tp_rank))
+    generation = Path(hf_dir) / "generation_config.json"
+    extra = {"hf": {"architecture": hw.hf_architecture(hf_config), "config": hf_config,
+                    "generation_config": json.loads(generation.read_text()) if generation.exists() else None}}
+    tokenizer = TokenizerFiles(hf_dir)
+    save_checkpoint(out_dir, model, cfg, vocab, head="lm", tokenizer=tokenizer if tokenizer.files else None,
+                    extra_meta=extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron -> HF
+# ---------------------------------------------------------------------------------------------
+def mcore_to_hf(ckpt_dir, out_dir, dtype: str | None = None, *, tp: int = 1, pp: int = 1,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Export an aligner "lm" checkpoint as a HF directory that `from_pretrained` loads.
+    `dtype` (float32 | bfloat16 | float16) defaults to the checkpoint's parameter dtype; `tp`/`pp`
+    spread a model too large for one device over several ranks."""
+    from aligner.models.checkpoint import read_metadata
+
+    meta = read_metadata(ckpt_dir)
+    if meta.get("head", "lm") != "lm":
+        raise ValueError(f"{ckpt_dir} has a '{meta['head']}' head; only language-model checkpoints export to HF")
+    out = _fresh_output_dir(out_dir)
+    run_ranks("aligner.models.hf_convert:_export_main",
+         [str(ckpt_dir), str(out), dtype or "", str(max_shard_bytes), str(tp), str(pp)], tp * pp)
+    return out
+
+
+def _export_main(argv: list[str], initialised: bool = False) -> None:
+    rank_main(argv, initialised, export_rank)
+
+
+def export_rank(ckpt_dir, out_dir, dtype: str = "", max_shard_bytes: str | int = DEFAULT_SHARD_BYTES, *,
+                tp: int, pp: int) -> None:
+    """Collective, in a process group set up for (tp, pp): load the checkpoint, stream it to rank 0, write."""
+    import torch.distributed as dist
+
+    from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata
+    from aligner.models.gpt import build_gpt
+    from aligner.models.weight_stream import iter_hf_weights
+    from aligner.runtime.seeding import seed_everything
+
+    cfg, vocab = model_config_from_checkpoint(ckpt_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    dtype = dtype or cfg.params_dtype
+    seed_everything(0)
+    model = build_gpt(cfg, vocab)
+    load_weights(ckpt_dir, model)
+    buckets = iter_hf_weights(model, cfg, vocab, dtype=dtype, bucket_bytes=int(max_shard_bytes))
+    if dist.get_rank() != 0:
+        for _ in buckets:  # take part in the stream
+            pass
+        return
+    hf = read_metadata(ckpt_dir).get("hf") or {}
+    config = hw.hf_config_from_model(cfg, vocab, hf.get("architecture"), dtype, base=hf.get("config"))
+    write_hf_dir(out_dir, config, buckets, Path(ckpt_dir) / "tokenizer", hf.get("generation_config"))
+
+
+def write_hf_dir(out_dir, config: dict, buckets, tokenizer_dir=None, generation_config: dict | None = None) -> Path:
+    """Write config.json, one safetensors shard per non-empty bucket (model.safetensors when there
+    is only one, else model-0000i-of-0000n.safetensors + index) and the tokenizer files, into a
+    `.partial` directory renamed to `out_dir` at the end."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    shards, total = [], 0
+    for bucket in buckets:
+        if not bucket:
+            continue
+        tensors = {name: t.detach().cpu().contiguous() for name, t in bucket.items()}
+        path = partial / f"shard-{len(shards)}.tmp"
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        shards.append((path, list(tensors)))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    weight_map = {}
+    for i, (path, names) in enumerate(shards):
+        final = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(path, partial / final)
+        weight_map.update(dict.fromkeys(names, final))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    if generation_config:
+        (partial / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+    if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
+        for f in Path(tokenizer_dir).iterdir():
+            if f.is_file() and f.name != "config.json":
+                shutil.copy2(f, partial / f.name)
+    if out.exists():
+        out.rmdir()  # checked empty by the caller
+    os.replace(partial, out)
+    return out
