@@ -117,6 +117,9 @@ def doctor(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from aligner.observe.logs import silence_expected_warnings
+
+    silence_expected_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)

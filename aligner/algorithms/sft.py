@@ -1,12 +1,11 @@
 """Supervised fine-tuning: next-token NLL on the loss-masked (assistant / output) tokens."""
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from aligner.algorithms.lm_step import make_forward_step, sft_loss
 from aligner.algorithms.trainer import Trainer
+from aligner.observe.logs import configure_logging
 
 
 def main(argv: list[str]) -> None:
@@ -31,8 +30,7 @@ def run(cfg) -> None:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     distributed.init_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                                     m.context_parallel_size)
-    logging.basicConfig(level=logging.INFO if torch.distributed.get_rank() == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(torch.distributed.get_rank())
     seed_everything(cfg.trainer.seed)
 
     tokenizer = load_tokenizer(cfg.tokenizer.path)

@@ -10,6 +10,9 @@ import traceback
 
 
 def main(argv: list[str]) -> int:
+    from aligner.observe.logs import silence_expected_warnings
+
+    silence_expected_warnings()
     module, function = argv[0].split(":")
     try:
         getattr(importlib.import_module(module), function)(argv[1:])

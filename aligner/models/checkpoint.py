@@ -21,6 +21,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 FORMAT_VERSION = 1
+# Distributed-optimizer state: one shard per DP rank, written in parallel with no gather. Such a
+# state resumes at the same TP/PP (any DP); the model weights themselves load at any layout.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "sequence_parallel")
 
@@ -57,7 +60,7 @@ def save_checkpoint(path, model, model_cfg, vocab_size: int, *, optimizer=None, 
     _barrier()
     sharded = {"model": unwrap(model).sharded_state_dict()}
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], metadata=OPTIMIZER_METADATA)
     dist_checkpointing.save(sharded, str(partial / "weights"))
     if rank_state is not None:
         torch.save(rank_state, partial / "rank_state" / f"rank_{_rank():05d}.pt")
@@ -113,17 +116,64 @@ def load_weights(path, model) -> None:
     inner.load_state_dict(loaded["model"])
 
 
+def _materialise_distributed_optimizer_state(optimizer) -> None:
+    """megatron's DistributedOptimizer describes its state for loading from the inner optimizer's
+    current state, which torch's Adam only creates at its first step (apex/TE's fused Adam create it
+    up front). Take that first step with lr = weight decay = 0 and zero gradients: it creates the
+    state without changing any weight, and the checkpoint's state then replaces it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = part.optimizer
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not isinstance(part, DistributedOptimizer) or all(inner.state[p] for p in params):
+            continue
+        saved = [(group["lr"], group["weight_decay"]) for group in inner.param_groups]
+        for group in inner.param_groups:
+            group["lr"], group["weight_decay"] = 0.0, 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        for group, (lr, wd) in zip(inner.param_groups, saved):
+            group["lr"], group["weight_decay"] = lr, wd
+
+
+def _restore_adam_step(optimizer, loaded: dict) -> None:
+    """The distributed optimizer's per-parameter state template also carries torch Adam's 0-d
+    `step`, which the load leaves at the placeholder value and then copies over the step it had
+    restored from the param groups; re-apply that step (Adam's bias correction depends on it)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [loaded] if len(parts) == 1 else [loaded[k] for k in sorted(loaded)]
+    for part, state in zip(parts, states):
+        if not isinstance(part, DistributedOptimizer):
+            continue
+        steps = {group["step"] for group in state["optimizer"]["param_groups"] if "step" in group}
+        if len(steps) != 1:
+            continue
+        step = float(steps.pop())
+        for param_state in part.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step)
+
+
 def load_training_state(path, model, optimizer) -> tuple[dict, dict | None]:
     """Weights + optimizer state; returns (trainer_state, this rank's rank_state or None)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     inner = unwrap(model)
+    _materialise_distributed_optimizer_state(optimizer)
     model_sd = inner.sharded_state_dict()
-    sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    sharded = {"model": model_sd,
+               "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)}
     loaded = dist_checkpointing.load(sharded, str(path / "weights"))
     inner.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into leaf main params in place
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_step(optimizer, loaded["optimizer"])
     rank_file = path / "rank_state" / f"rank_{_rank():05d}.pt"
     meta = read_metadata(path)
     same_world = meta["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1)

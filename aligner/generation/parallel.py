@@ -1,0 +1,86 @@
+"""Where this rank sits in the model-parallel (TP x PP) group during generation, and its messages.
+
+One rank per model replica samples: TP rank 0 of the last pipeline stage (the "sampler"). It
+broadcasts each step's tokens to the whole TP x PP group, so every rank feeds the same tokens and
+applies the same stop rules. Pipeline stages pass hidden states with plain send/recv, one stage
+after the other per step (no micro-batching: a decode step is one token per sample).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class StageLayout:
+    tp: int
+    tp_rank: int
+    pp: int
+    pp_rank: int
+    prev_rank: int | None  # global rank of the previous / next pipeline stage
+    next_rank: int | None
+    sampler: int  # global rank of the sampler of this replica
+    group: object  # the TP x PP process group (None when it has one rank)
+    tp_group: object
+
+    @property
+    def first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_sampler(self) -> bool:
+        return self.group is None or dist.get_rank() == self.sampler
+
+    @classmethod
+    def current(cls) -> "StageLayout":
+        """From megatron's parallel state (collective over the TP x PP group on first use)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_context_parallel_world_size() > 1:
+            raise NotImplementedError("generation under context parallelism is not supported; build the "
+                                      "engine's model with context_parallel_size=1")
+        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        if tp * pp == 1:
+            return cls(1, 0, 1, 0, None, None, dist.get_rank() if dist.is_initialized() else 0, None, None)
+        group = ps.get_model_parallel_group()
+        members = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, (pp_rank, tp_rank, dist.get_rank()), group=group)
+        sampler = next(rank for p, t, rank in members if p == pp - 1 and t == 0)
+        return cls(tp, tp_rank, pp, pp_rank,
+                   ps.get_pipeline_model_parallel_prev_rank() if pp_rank > 0 else None,
+                   ps.get_pipeline_model_parallel_next_rank() if pp_rank < pp - 1 else None,
+                   sampler, group, ps.get_tensor_model_parallel_group() if tp > 1 else None)
+
+    def send_next(self, tensor: torch.Tensor) -> None:
+        dist.send(tensor.contiguous(), dst=self.next_rank)
+
+    def recv_prev(self, shape, dtype, device) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(buffer, src=self.prev_rank)
+        return buffer
+
+    def from_sampler(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Broadcast `tensor` (same shape and dtype on every rank) from the sampler, in place."""
+        if self.group is not None:
+            dist.broadcast(tensor, src=self.sampler, group=self.group)
+        return tensor
+
+    def tp_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(tensor, group=self.tp_group)
+        return tensor
+
+    def tp_all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each TP rank -> [..., n * TP] in rank order."""
+        if self.tp == 1:
+            return tensor
+        parts = torch.empty((self.tp, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(parts, tensor.contiguous(), group=self.tp_group)
+        return torch.cat(list(parts.unbind(0)), dim=-1)

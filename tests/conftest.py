@@ -1,0 +1,37 @@
+"""Shared fixtures: the tiny tokenizer and synthetic data, built once per test session, and a
+helper that runs the `aligner` CLI in a subprocess (each run gets a clean process, like a user's)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory):
+    from aligner.data.synthetic import corpus, write_sft_chat
+    from aligner.data.tokenizer import build_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny")
+    build_tiny_tokenizer(corpus(2000, seed=0), root / "tokenizer", vocab_size=512)
+    write_sft_chat(root / "train.jsonl", 400, seed=1)
+    write_sft_chat(root / "val.jsonl", 64, seed=2)
+    return root
+
+
+def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

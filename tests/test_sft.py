@@ -1,0 +1,105 @@
+"""SFT end to end through the CLI: learning, metrics, checkpoints, bitwise resume, crash safety,
+errors that stop before any rank starts, and a failing rank's traceback."""
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import read_metrics, run_cli
+
+
+def sft_args(assets, run_dir, *extra):
+    return ["train", "sft", f"run_dir={run_dir}", f"data.train_path={assets / 'train.jsonl'}",
+            f"tokenizer.path={assets / 'tokenizer'}", "logging.progress=false", *extra]
+
+
+def assert_ok(result):
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_sft_learns_and_writes_the_run_directory(tiny_assets, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(*sft_args(tiny_assets, run_dir, f"data.val_path={tiny_assets / 'val.jsonl'}",
+                               "trainer.max_steps=40", "trainer.val_interval=20", "trainer.save_interval=20",
+                               "optim.lr=3e-3", "optim.warmup_steps=5"))
+    assert_ok(result)
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 41))
+    for key in ("loss", "lr", "grad_norm", "timing/step_s", "throughput/tokens_per_s"):
+        assert all(key in m for m in metrics), key
+    assert metrics[0]["lr"] == pytest.approx(3e-3 / 5)  # warm-up starts at lr/warmup, not 0
+    first, last = sum(m["loss"] for m in metrics[:5]) / 5, sum(m["loss"] for m in metrics[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+    assert metrics[19]["val/loss"] > metrics[39]["val/loss"]
+    assert (run_dir / "config.yaml").exists() and any((run_dir / "tensorboard").iterdir())
+    for step in (20, 40):
+        ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+        assert (ckpt / "COMPLETE").exists() and (ckpt / "tokenizer" / "tokenizer.json").exists()
+
+
+def _compare_steps(full, resumed, steps):
+    by_step = {m["step"]: m for m in full}
+    for m in resumed:
+        if m["step"] in steps:
+            for key in ("loss", "grad_norm", "lr", "loss_tokens", "consumed_samples"):
+                assert m[key] == by_step[m["step"]][key], (m["step"], key, m[key], by_step[m["step"]][key])
+
+
+@pytest.mark.parametrize("layout", [[], ["launcher.nproc_per_node=2", "optim.distributed_optimizer=true"]],
+                         ids=["single", "dp2_distributed_optimizer"])
+def test_resume_is_bitwise_identical(tiny_assets, tmp_path, layout):
+    # decay_steps is pinned so that the interrupted run (max_steps=3 first) has the same schedule.
+    common = ["trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.save_interval=3",
+              "optim.warmup_steps=2", "optim.decay_steps=6", *layout]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert_ok(run_cli(*sft_args(tiny_assets, full, "trainer.max_steps=6", *common)))
+    assert_ok(run_cli(*sft_args(tiny_assets, split, "trainer.max_steps=3", *common)))
+    assert [m["step"] for m in read_metrics(split)] == [1, 2, 3]
+    result = run_cli(*sft_args(tiny_assets, split, "trainer.max_steps=6", *common))
+    assert_ok(result)
+    assert "resumed from" in result.stderr
+    resumed = read_metrics(split)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
+    _compare_steps(read_metrics(full), resumed, {1, 2, 3, 4, 5, 6})
+
+
+def test_partial_and_incomplete_checkpoints_are_never_picked(tiny_assets, tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.save_interval=2"]
+    assert_ok(run_cli(*sft_args(tiny_assets, run_dir, "trainer.max_steps=2", *common)))
+    checkpoints = run_dir / "checkpoints"
+    # a save that died before publishing, and one that died before COMPLETE was written
+    shutil.copytree(checkpoints / "step_000002", checkpoints / "step_000009.partial")
+    shutil.copytree(checkpoints / "step_000002", checkpoints / "step_000008")
+    (checkpoints / "step_000008" / "COMPLETE").unlink()
+    result = run_cli(*sft_args(tiny_assets, run_dir, "trainer.max_steps=3", *common))
+    assert_ok(result)
+    assert "resumed from" in result.stderr and "step_000002 at step 2" in result.stderr
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+
+
+def test_bad_config_fails_before_any_rank_starts(tiny_assets, tmp_path):
+    start = time.time()
+    result = run_cli(*sft_args(tiny_assets, tmp_path / "run", "trainer.max_stepz=3", "launcher.nproc_per_node=2"))
+    assert result.returncode == 2 and "max_stepz" in result.stderr
+    assert not (tmp_path / "run").exists()
+    result = run_cli(*sft_args(tiny_assets, tmp_path / "run", "launcher.nproc_per_node=2",
+                               "model.tensor_model_parallel_size=2", "trainer.global_batch_size=6"))
+    assert result.returncode == 2 and "trainer.global_batch_size=6" in result.stderr
+    result = run_cli("train", "sft", f"run_dir={tmp_path / 'run'}", "data.train_path=/nonexistent.jsonl",
+                     f"tokenizer.path={tiny_assets / 'tokenizer'}")
+    assert result.returncode == 2 and "data.train_path=/nonexistent.jsonl does not exist" in result.stderr
+    assert time.time() - start < 60
+
+
+def test_failing_rank_reports_file_and_line(tiny_assets, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    lines = (tiny_assets / "train.jsonl").read_text().splitlines()[:20]
+    lines[6] = '{"messages": [{"role": "user", "content": "hi"}'  # truncated JSON on line 7
+    bad.write_text("\n".join(lines) + "\n")
+    result = run_cli("train", "sft", f"run_dir={tmp_path / 'run'}", f"data.train_path={bad}",
+                     f"tokenizer.path={tiny_assets / 'tokenizer'}", "launcher.nproc_per_node=2",
+                     "trainer.global_batch_size=8")
+    assert result.returncode == 1
+    assert "failed with exit code 1" in result.stderr and f"{bad}:7:" in result.stderr
