@@ -132,7 +132,7 @@ def run(mode: str, workdir: Path, layout: dict) -> None:
     forward_step = make_forward_step(sft_loss, VOCAB)
     model.zero_grad_buffer()
     sums = run_schedule(model, forward_step, micro, LENGTH, forward_only=False)
-    result["loss"] = sums["loss"] / sums["tokens"]
+    result["loss"] = sums["loss"] / sums["count"]
     result["grads"] = {global_name(n, cfg): p.main_grad.detach().clone() for n, p in gpt.named_parameters()}
     # two optimizer steps
     for step in range(STEPS):

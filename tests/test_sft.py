@@ -42,7 +42,7 @@ def _compare_steps(full, resumed, steps):
     by_step = {m["step"]: m for m in full}
     for m in resumed:
         if m["step"] in steps:
-            for key in ("loss", "grad_norm", "lr", "loss_tokens", "consumed_samples"):
+            for key in ("loss", "grad_norm", "lr", "loss_count", "consumed_samples"):
                 assert m[key] == by_step[m["step"]][key], (m["step"], key, m[key], by_step[m["step"]][key])
 
 

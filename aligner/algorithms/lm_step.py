@@ -1,6 +1,6 @@
-"""The forward step megatron's pipeline schedules call for token-level losses (SFT, and later
-the policy losses): slice the micro-batch for this context-parallel rank, run the model, and on
-the last pipeline stage return (loss sum, token count, report) for per-token normalisation."""
+"""The forward step megatron's pipeline schedules call for losses on token log-probs (SFT, DPO,
+policy losses): slice the micro-batch for this context-parallel rank, run the model, and on the
+last pipeline stage return (loss sum, count, report sums); see trainer.py for the normalisation."""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,8 +10,8 @@ import torch
 from aligner.models.cp_attention import positions_on_rank
 from aligner.models.logprobs import vocab_parallel_logprobs
 
-# (token_logprobs [b, s], batch dict) -> (loss sum, report dict of summed tensors)
-TokenLoss = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+# (token_logprobs [b, s], batch dict) -> (loss sum, count, report dict of summed tensors)
+TokenLoss = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict]]
 
 
 def slice_for_context_parallel(batch: dict) -> dict:
@@ -38,19 +38,19 @@ def make_forward_step(token_loss: TokenLoss, vocab_size: int):
 
         def loss_func(logits):
             logprobs = vocab_parallel_logprobs(logits, batch["labels"], vocab_size)
-            loss, report = token_loss(logprobs, batch)
-            tokens = batch["loss_mask"].sum()
+            loss, count, report = token_loss(logprobs, batch)
             report = {k: v.detach().float() for k, v in report.items()}
-            report["tokens"] = tokens.detach().float()
-            return loss, tokens.int(), report
+            report["count"] = count.detach().float()
+            return loss, count.int(), report
 
         return output, loss_func
 
     return forward_step
 
 
-def sft_loss(logprobs: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
+def sft_loss(logprobs: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Next-token NLL summed over loss tokens; normalised by the global loss-token count."""
     from aligner.algorithms.functional import token_nll_sum
 
     loss = token_nll_sum(logprobs, batch["loss_mask"])
-    return loss, {"loss": loss}
+    return loss, batch["loss_mask"].sum(), {"loss": loss}

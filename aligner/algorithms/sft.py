@@ -8,6 +8,23 @@ from aligner.algorithms.trainer import Trainer
 from aligner.observe.logs import configure_logging
 
 
+class SFTFormat:
+    """Samples are `aligner.data.sft.Sample`s; the model reads ids[:-1] and predicts ids[1:]."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def length(self, sample) -> int:
+        return len(sample.ids) - 1
+
+    tokens = length
+
+    def collate(self, samples, length: int) -> dict:
+        from aligner.data.loader import collate
+
+        return collate(samples, self.pad_id, length)
+
+
 def main(argv: list[str]) -> None:
     """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
     from aligner.config import load_resolved
@@ -44,6 +61,6 @@ def run(cfg) -> None:
 
     model, optimizer, scheduler = wrap_for_training(build_gpt(m, vocab_size), m, cfg.optim)
     trainer = Trainer(cfg, model, optimizer, scheduler, make_forward_step(sft_loss, vocab_size), train, val,
-                      vocab_size, tokenizer.pad_token_id, tokenizer)
+                      SFTFormat(tokenizer.pad_token_id), vocab_size, tokenizer)
     trainer.fit()
     distributed.shutdown()

@@ -1,11 +1,20 @@
 """The shared trainer loop: global batch -> micro-batches -> megatron schedule -> optimizer step,
-with validation, checkpoint cadence, automatic resume and metrics. Algorithms plug in a forward
-step (see lm_step.py) and a dataset; the loop does not know which loss it is optimising."""
+with validation, checkpoint cadence, automatic resume and metrics.
+
+An algorithm plugs in three things and the loop does not know which loss it optimises:
+* a dataset (a sequence of samples),
+* a `BatchFormat`: how long a sample is, how many tokens it trains on, how samples become tensors,
+* a megatron forward step whose loss function returns `(loss_sum, count, report)`, where `count`
+  is the normaliser (loss tokens for SFT, pairs for DPO) and `report` holds per-micro-batch sums.
+  The loss is divided by the global count (`calculate_per_token_loss`), and every logged metric is
+  `sum(report[key]) / sum(count)` over the global batch, so neither depends on the DP split.
+"""
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,6 +24,17 @@ from aligner.observe.metrics import MetricsLog, Progress
 from aligner.runtime.seeding import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
+
+
+class BatchFormat(Protocol):
+    def length(self, sample) -> int:
+        """Sequence length this sample needs (tokens fed to the model)."""
+
+    def tokens(self, sample) -> int:
+        """Tokens this sample contributes to a step (for throughput)."""
+
+    def collate(self, samples: Sequence, length: int) -> dict:
+        """Tensors of one micro-batch, every sequence padded to `length`."""
 
 
 def _sum_reports(reports: list[dict]) -> dict:
@@ -49,15 +69,15 @@ def run_schedule(model, forward_step, micro_batches: list[dict], seq_length: int
 
 
 class Trainer:
-    def __init__(self, cfg, model, optimizer, scheduler, forward_step, train_data, val_data, vocab_size: int,
-                 pad_id: int, tokenizer=None):
+    def __init__(self, cfg, model, optimizer, scheduler, forward_step, train_data, val_data, batch_format,
+                 vocab_size: int, tokenizer=None, head: str = "lm"):
         from megatron.core import parallel_state as ps
 
         from aligner.data.loader import GlobalBatchSampler
 
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.forward_step, self.train_data, self.val_data = forward_step, train_data, val_data
-        self.vocab_size, self.pad_id, self.tokenizer = vocab_size, pad_id, tokenizer
+        self.batch_format, self.vocab_size, self.tokenizer, self.head = batch_format, vocab_size, tokenizer, head
         self.run_dir = Path(cfg.run_dir)
         self.step = 0
         t = cfg.trainer
@@ -70,13 +90,19 @@ class Trainer:
 
     # ---- one optimizer step -------------------------------------------------------------------
     def _run_schedule(self, samples, forward_only: bool) -> dict:
-        from aligner.data.loader import collate, pad_length, split_for_rank
+        from aligner.data.loader import split_for_rank
 
         mbs = self.cfg.trainer.micro_batch_size
-        length = pad_length(samples, self.length_multiple)
+        longest = max(self.batch_format.length(s) for s in samples)  # one length per step keeps PP shapes fixed
+        length = -(-longest // self.length_multiple) * self.length_multiple
         mine = split_for_rank(samples, self.dp_rank, self.dp_size)
-        micro = [collate(mine[i:i + mbs], self.pad_id, length) for i in range(0, len(mine), mbs)]
+        micro = [self.batch_format.collate(mine[i:i + mbs], length) for i in range(0, len(mine), mbs)]
         return run_schedule(self.model, self.forward_step, micro, length, forward_only)
+
+    @staticmethod
+    def _means(sums: dict, prefix: str = "") -> dict:
+        count = max(sums.get("count", 0.0), 1.0)
+        return {prefix + k: v / count for k, v in sums.items() if k != "count"}
 
     def train_step(self) -> dict:
         start = time.perf_counter()
@@ -90,10 +116,10 @@ class Trainer:
         self.scheduler.step(increment=1)
         _, grad_norm, _ = self.optimizer.step()
         elapsed = time.perf_counter() - start
-        tokens = sum(len(s.ids) - 1 for s in samples)
-        return {"loss": sums["loss"] / max(sums["tokens"], 1), "lr": self.optimizer.param_groups[0]["lr"],
-                "grad_norm": grad_norm if grad_norm is not None else float("nan"),
-                "loss_tokens": sums["tokens"], "consumed_samples": self.sampler.state_dict()["consumed_samples"],
+        tokens = sum(self.batch_format.tokens(s) for s in samples)
+        return {**self._means(sums), "lr": self.optimizer.param_groups[0]["lr"],
+                "grad_norm": grad_norm if grad_norm is not None else float("nan"), "loss_count": sums.get("count", 0.0),
+                "consumed_samples": self.sampler.state_dict()["consumed_samples"],
                 "timing/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed}
 
     @torch.no_grad()
@@ -109,14 +135,15 @@ class Trainer:
             samples = [self.val_data[i] for i in sampler.next_global_batch()]
             for k, v in self._run_schedule(samples, forward_only=True).items():
                 totals[k] = totals.get(k, 0.0) + v
-        return {"val/loss": totals["loss"] / max(totals["tokens"], 1)}
+        return self._means(totals, prefix="val/")
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
         path = checkpoint.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}", self.model,
                                           self.cfg.model, self.vocab_size, optimizer=self.optimizer,
-                                          trainer_state=state, rank_state=rng_state(), tokenizer=self.tokenizer)
+                                          trainer_state=state, rank_state=rng_state(), tokenizer=self.tokenizer,
+                                          head=self.head)
         if self.is_logger:
             log.info("saved checkpoint %s", path)
 
