@@ -26,10 +26,20 @@ class ProcessInfo:
     master_port: int
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(low: int = 20000, high: int = 32000) -> int:
+    """A free TCP port below Linux's ephemeral range (32768+), so that no other process's
+    `bind(0)` or outgoing connection can take it between now and our rank 0 binding it."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in [{low}, {high})")
 
 
 def process_info_from_env(env=os.environ) -> ProcessInfo:
@@ -43,7 +53,7 @@ def process_info_from_env(env=os.environ) -> ProcessInfo:
     else:
         rank, world, local = 0, 1, 0
     addr = env.get("MASTER_ADDR", "127.0.0.1")
-    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else (free_port() if world == 1 else 29500)
+    port = int(env.get("MASTER_PORT", 29500))
     return ProcessInfo(rank, world, local, addr, port)
 
 
@@ -58,9 +68,12 @@ def init_process_group(timeout_s: int = 600) -> ProcessInfo:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://{info.master_addr}:{info.master_port}", rank=info.rank,
-        world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if info.world_size == 1:  # no rendezvous needed: an in-process store, no port to collide on
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                rank=info.rank, world_size=info.world_size, timeout=timeout)
     return info
 
 
