@@ -32,6 +32,7 @@ def unsupported_reason(model) -> str | None:
         "normalization is not RMSNorm": c.normalization != "RMSNorm",
         "position embedding is not RoPE": getattr(model, "position_embedding_type", None) != "rope",
         "interleaved RoPE": flag("rotary_interleaved"),
+        "partial RoPE": flag("rotary_percent", 1.0) != 1.0,
         "multi-latent attention": flag("multi_latent_attention"),
         "mixture of experts": flag("num_moe_experts") is not None,
         "multi-token prediction": flag("mtp_num_layers") is not None,
@@ -69,13 +70,10 @@ def _bias(linear) -> torch.Tensor | None:
     return bias if bias is not None and bias.numel() else None  # TE keeps an empty tensor when bias=False
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Non-interleaved RoPE on the first cos.shape[-1] features of x (megatron's convention)."""
-    rot = cos.shape[-1]
-    head, tail = (x, None) if rot == x.shape[-1] else (x[..., :rot], x[..., rot:])
-    x1, x2 = head.chunk(2, dim=-1)
-    out = head * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return out if tail is None else torch.cat((out, tail), dim=-1)
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Non-interleaved RoPE over the whole head dim (megatron's convention): x * cos + rotate_half(x) * sin,
+    computed as x * cos + roll(x, D/2) * [-sin_1, sin_2] (`signed_sin` carries the sign)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class LeanDecoder:
@@ -95,11 +93,18 @@ class LeanDecoder:
         weight = next(model.parameters())
         self.dtype, self.device = weight.dtype, weight.device
         emb = model.rotary_pos_emb(max_seq)[:, 0, 0, :]  # [S, rot_dim], as megatron's forward uses
-        self.cos, self.sin = torch.cos(emb).to(self.dtype), torch.sin(emb).to(self.dtype)
+        cos, sin = torch.cos(emb), torch.sin(emb)
+        sin[:, : emb.shape[-1] // 2].neg_()  # the sign of rotate_half, folded in
+        # per slot, for a group's R query heads (softmax scale folded in) and its key head: [S, R + 1, rot_dim]
+        row_scale = torch.tensor([self.scale] * self.heads_per_group + [1.0], device=emb.device)[None, :, None]
+        self.cos = (cos[:, None, :] * row_scale).to(self.dtype)
+        self.sin = (sin[:, None, :] * row_scale).to(self.dtype)
         self.layers = [self._layer_params(layer) for layer in model.decoder.layers]
         shape = (batch, self.groups, max_seq, self.head_dim)
         self.cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                        torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]
+        # the same memory as [B * G, S, D] batches for bmm
+        self.flat = [(k.view(-1, max_seq, self.head_dim), v.view(-1, max_seq, self.head_dim)) for k, v in self.cache]
         if model.pre_process:
             embedding = model.embedding.word_embeddings
             self.embed_weight = embedding.weight
@@ -120,7 +125,7 @@ class LeanDecoder:
 
     def load_prefix(self, context, length: int) -> None:
         """Copy slots [0, length) from megatron's static KV cache ([S, B, G, D], keys un-rotated)."""
-        cos, sin = self.cos[:length, None, None, :], self.sin[:length, None, None, :]
+        cos, sin = self.cos[:length, None, -1:, :], self.sin[:length, None, -1:, :]  # the key rows
         for layer, (keys, values) in zip(self.model.decoder.layers, self.cache):
             k, v = context.key_value_memory_dict[layer.self_attention.layer_number]
             keys[:, :, :length] = rope(k[:length], cos, sin).permute(1, 2, 0, 3)
@@ -142,18 +147,17 @@ class LeanDecoder:
         B, G, R, D = self.batch, self.groups, self.heads_per_group, self.head_dim
         cos, sin = self.cos[slot], self.sin[slot]
         width = hidden.shape[-1]
-        for p, (keys, values) in zip(self.layers, self.cache):
+        fp32 = self.dtype == torch.float32
+        for p, (keys, values), (k_flat, v_flat) in zip(self.layers, self.cache, self.flat):
             x = F.rms_norm(hidden, (width,), p["norm1"], self.eps)
             qkv = F.linear(x, p["qkv"], p["qkv_bias"]).view(B, G, R + 2, D)
-            qk = rope(qkv[:, :, : R + 1], cos, sin)  # the group's R query heads and its key head
+            qk = rope(qkv[:, :, : R + 1], cos, sin)  # the group's R scaled query heads and its key head
             keys[:, :, slot] = qk[:, :, R]
             values[:, :, slot] = qkv[:, :, R + 1]
-            q = (qk[:, :, :R] * self.scale).reshape(B * G, R, D)
-            k = keys.view(B * G, -1, D)[:, : slot + 1]
-            v = values.view(B * G, -1, D)[:, : slot + 1]
-            scores = torch.bmm(q, k.transpose(1, 2))
-            probs = scores.float().softmax(-1).to(v.dtype)  # no-ops in fp32
-            context = torch.bmm(probs, v).view(B, G * R * D)
+            q = qk[:, :, :R].view(B * G, R, D)
+            scores = torch.bmm(q, k_flat[:, : slot + 1].transpose(1, 2))
+            probs = scores.softmax(-1) if fp32 else scores.float().softmax(-1).to(self.dtype)
+            context = torch.bmm(probs, v_flat[:, : slot + 1]).view(B, G * R * D)
             hidden = hidden + self.layout.tp_all_reduce(F.linear(context, p["proj"]))
             x = F.rms_norm(hidden, (width,), p["norm2"], self.eps)
             x = F.linear(x, p["fc1"])

@@ -68,7 +68,6 @@ class MegatronEngine:
             raise ValueError(f"decode must be 'auto', 'lean' or 'megatron', got {decode!r}")
         self.decode = decode
         self._layout: StageLayout | None = None
-        self._token_keys: dict = {}
         self._home = None  # device of the weights while asleep (unshared models only)
 
     # ----------------------------------------------------------------------------------- protocol
@@ -107,13 +106,14 @@ class MegatronEngine:
             load_weight_stream(self.gpt, weight_stream, self.model_cfg, self.vocab_size)
 
     def refit_check(self, trainer_model=None) -> dict:
-        """Compare the engine's weights with `trainer_model`'s (default: the model it was built on).
-        Collective. {"shared", "bitwise", "max_abs_diff", "params"} (see weights.compare_weights)."""
-        return compare_weights(self.gpt, unwrap(trainer_model) if trainer_model is not None else self.gpt)
+        """Compare the engine's weights with `trainer_model`'s (default: the model it was built on),
+        vocabulary padding rows excluded. Collective. {"shared", "bitwise", "max_abs_diff", "params"}."""
+        return compare_weights(self.gpt, unwrap(trainer_model) if trainer_model is not None else self.gpt,
+                               self.vocab_size)
 
     def sleep(self) -> None:
-        """Drop cached tables; an unshared model on a GPU also moves its weights to host memory."""
-        self._token_keys.clear()
+        """Nothing is cached between calls (KV caches live per call); an unshared model on a GPU
+        moves its weights to host memory."""
         if not self.shared and torch.cuda.is_available() and self._home is None:
             self._home = next(self.gpt.parameters()).device
             self.gpt.cpu()
@@ -155,12 +155,6 @@ class MegatronEngine:
         for name in ("response_ids", "response_lengths", "logprobs", "is_end"):
             setattr(rollout, name, getattr(rollout, name).clone())
         return rollout
-
-    def _keys_for_tokens(self) -> torch.Tensor:
-        key = (self.vocab_size, self.device)
-        if key not in self._token_keys:
-            self._token_keys[key] = rng.token_keys(self.vocab_size, self.device)
-        return self._token_keys[key]
 
     def _megatron_step(self, context, tokens: torch.Tensor, slot: int) -> torch.Tensor | None:
         """GPTModel.forward of this stage on tokens [B, s] at slots [slot, slot+s) with the static
@@ -207,8 +201,7 @@ class MegatronEngine:
         stop_ids = stop_token_tensor(self.eos_id, params.stop_token_ids, device)
         strings = StopStrings(self.tokenizer, params.stop_strings, batch) if params.stop_strings else None
         sampler = layout.is_sampler
-        keys = rng.step_keys(seeds, max_new, device) if sampler and not params.is_greedy else None
-        token_keys = self._keys_for_tokens() if keys is not None else None
+        uniforms = rng.uniform(rng.step_keys(seeds, max_new, device)) if sampler and not params.is_greedy else None
         ban_early = params.min_new_tokens > 0 and stop_ids.numel() > 0
 
         started = time.perf_counter()
@@ -229,19 +222,19 @@ class MegatronEngine:
                         index = (t - prompt_len).clamp(0, max_new - 1)  # this step's response index
                         if ban_early and t - longest < params.min_new_tokens:
                             sampling.ban(logits, stop_ids, (t - prompt_len) < params.min_new_tokens)
-                        step_keys = keys.gather(1, index[:, None]).squeeze(1) if keys is not None else None
+                        u = uniforms.gather(1, index[:, None]).squeeze(1) if uniforms is not None else None
                     else:
                         r = min(t - shortest, max_new - 1) if shortest == longest else None
                         if ban_early and t - longest < params.min_new_tokens:
                             rows = None if r is not None else (t - prompt_len) < params.min_new_tokens
                             sampling.ban(logits, stop_ids, rows)
-                        if keys is None:
-                            step_keys = None
+                        if uniforms is None:
+                            u = None
                         elif r is not None:
-                            step_keys = keys[:, r]
+                            u = uniforms[:, r]
                         else:
-                            step_keys = keys.gather(1, (t - prompt_len).clamp(0, max_new - 1)[:, None]).squeeze(1)
-                    token, logprob = sampling.sample(logits, params, step_keys, token_keys)
+                            u = uniforms.gather(1, (t - prompt_len).clamp(0, max_new - 1)[:, None]).squeeze(1)
+                    token, logprob = sampling.sample(logits, params, u)
                     slot_logprobs[:, t] = logprob
                 else:
                     token = torch.empty(batch, dtype=torch.int64, device=device)

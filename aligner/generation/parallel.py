@@ -81,6 +81,8 @@ class StageLayout:
         """[..., n] on each TP rank -> [..., n * TP] in rank order."""
         if self.tp == 1:
             return tensor
-        parts = torch.empty((self.tp, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(parts, tensor.contiguous(), group=self.tp_group)
-        return torch.cat(list(parts.unbind(0)), dim=-1)
+        rows = tensor.reshape(-1, tensor.shape[-1])
+        parts = torch.empty((self.tp * rows.shape[0], rows.shape[1]), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(parts, rows.contiguous(), group=self.tp_group)
+        whole = parts.view(self.tp, *rows.shape).permute(1, 0, 2).reshape(rows.shape[0], -1)
+        return whole.view(*tensor.shape[:-1], whole.shape[-1])

@@ -1,9 +1,9 @@
-"""Counter-based random numbers for sampling: noise is a pure function of (sample seed, step, token id).
+"""Counter-based random numbers for sampling: one uniform per (sample seed, generated-token index).
 
 Why not one `torch.Generator` per sample: drawing from B generators needs a Python loop over the
-batch at every step. Hashing counters gives the same guarantee (a sample's noise depends only on
-its own seed, never on its batch neighbours, its batch position or the batch size) with a handful
-of vectorised integer ops, identical on every rank and on CPU and CUDA (integer arithmetic is exact).
+batch at every step. Hashing counters gives the same guarantee (a sample's randomness depends only
+on its own seed, never on its batch neighbours, its batch position or the batch size) with a few
+vectorised integer ops, identical on every rank and on CPU and CUDA (integer arithmetic is exact).
 
 All hashing is 32-bit, carried in int64 tensors (or Python ints): operands stay below 2**32 and
 multipliers below 2**31, so no product overflows int64.
@@ -16,7 +16,7 @@ import torch
 
 MASK32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x2C1B3C6D  # odd multipliers < 2**31
-_SEED_HI, _STEP, _TOKEN = 0x9E3779B9, 0x632BE5AB, 0x5851F42D  # domain separation constants
+_SEED_HI, _STEP = 0x9E3779B9, 0x632BE5AB  # domain separation constants
 
 
 def mix32(x):
@@ -41,23 +41,12 @@ def derive_seed(base_seed: int, index: int) -> int:
 
 
 def step_keys(seeds: Sequence[int], num_steps: int, device=None) -> torch.Tensor:
-    """[B, num_steps] int64: the key of generated token j of each sample."""
+    """[B, num_steps] int64 in [0, 2**32): the key of generated token j of each sample."""
     keys = torch.tensor([sample_key(s) for s in seeds], dtype=torch.int64, device=device)
     steps = mix32(torch.arange(num_steps, dtype=torch.int64, device=device) + _STEP)
     return mix32(keys[:, None] ^ steps[None, :])
 
 
-def token_keys(vocab_size: int, device=None) -> torch.Tensor:
-    """[V] int64 per-token keys, combined with a step key by `uniform`."""
-    return mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ _TOKEN)
-
-
-def uniform(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, V] float32 uniforms in the open interval (0, 1): 24 hashed bits, centred in their bin."""
-    bits = mix32(keys[:, None] ^ tokens[None, :]) >> 8
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-def gumbel(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, V] standard Gumbel noise -log(-log U); finite (|g| < 18) because U is never 0 or 1."""
-    return uniform(keys, tokens).log_().neg_().log_().neg_()
+def uniform(keys: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms in the open interval (0, 1) from 32-bit keys (exact: 32 bits, bin-centred)."""
+    return (keys.to(torch.float64) + 0.5) * (1.0 / (1 << 32))

@@ -7,9 +7,11 @@ The sampled distribution q for one step is, in this order:
   4. top-k: logits below the k-th largest set to -inf (ties with the k-th are kept),
   5. top-p: the smallest set of most likely tokens whose mass reaches p is kept (computed on the
      softmax of step 4's logits; ties with the last kept token are kept), the rest set to -inf,
-  q = softmax(result). The token is drawn from q by Gumbel-max with counter-based noise
-  (`aligner.generation.rng`) and its log-prob is log q(token): the log-prob UNDER THE DISTRIBUTION
-  ACTUALLY SAMPLED FROM, which is what importance weights between trainer and engine need.
+  q = softmax(result). The token is drawn from q by inversion: the first token whose cumulative
+  probability (float64, vocabulary order) exceeds u * total, with one counter-based uniform u per
+  sample and step (`aligner.generation.rng`); a token with q = 0 can never be drawn. Its log-prob
+  is log q(token): the log-prob UNDER THE DISTRIBUTION ACTUALLY SAMPLED FROM, which is what
+  importance weights between trainer and engine need.
   Greedy decoding skips steps 3-5 and takes the argmax; its log-prob is under q = softmax(steps 1-2),
   i.e. the model's own distribution at temperature 1.
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from aligner.generation import rng
 from aligner.generation.types import SamplingParams
 
 NEG_INF = float("-inf")
@@ -76,15 +77,15 @@ def logprob_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor | None,
-           token_keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. logits [B, V] (bans already applied); keys [B] int64 step keys
-    (`rng.step_keys`), unused when greedy. Returns (tokens [B] int64, log q(tokens) [B] float32)."""
+def sample(logits: torch.Tensor, params: SamplingParams,
+           uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits [B, V] (bans already applied); uniforms [B] float64 in (0, 1)
+    (`rng.uniform`), unused when greedy. Returns (tokens [B] int64, log q(tokens) [B] float32)."""
     q_logits = filter_logits(logits, params)
     if params.is_greedy:
         tokens = q_logits.argmax(-1)
-    else:
-        if token_keys is None:
-            token_keys = rng.token_keys(q_logits.shape[-1], q_logits.device)
-        tokens = (q_logits + rng.gumbel(keys, token_keys)).argmax(-1)
-    return tokens, logprob_of(q_logits, tokens)
+        return tokens, logprob_of(q_logits, tokens)
+    probs = q_logits.softmax(-1)
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    tokens = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(1)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(1).log()

@@ -85,9 +85,23 @@ class _HFLoader:
             raise ValueError(f"weight stream ended without {sorted(self.waiting)[:5]}")
 
 
+_VOCAB_ROWS = ("word_embeddings.weight", "output_layer.weight")
+
+
+def _true_rows(name: str, tensor: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """Drop megatron's vocabulary padding rows (never read) from an embedding / output shard."""
+    if vocab_size is None or not name.endswith(_VOCAB_ROWS):
+        return tensor
+    from megatron.core import parallel_state as ps
+
+    start = ps.get_tensor_model_parallel_rank() * tensor.shape[0]
+    return tensor[: max(0, min(tensor.shape[0], vocab_size - start))]
+
+
 @torch.no_grad()
-def compare_weights(engine_model, trainer_model) -> dict:
-    """Largest |engine - trainer| over every parameter of every rank (collective when distributed).
+def compare_weights(engine_model, trainer_model, vocab_size: int | None = None) -> dict:
+    """Largest |engine - trainer| over every parameter of every rank (collective when distributed);
+    with `vocab_size`, the vocabulary padding rows are left out (they never affect a token).
 
     Returns {"shared": all parameters are the same storage, "bitwise": all equal bit for bit,
     "max_abs_diff": float, "params": number of local parameters compared}.
@@ -102,6 +116,7 @@ def compare_weights(engine_model, trainer_model) -> dict:
         same_storage = p.data_ptr() == q.data_ptr() and p.shape == q.shape and p.dtype == q.dtype
         shared = min(shared, float(same_storage))
         if not same_storage:
+            p, q = _true_rows(name, p, vocab_size), _true_rows(name, q, vocab_size)
             unequal = max(unequal, float(p.dtype != q.dtype or not torch.equal(p, q.to(p.dtype))))
             worst = max(worst, (p.float() - q.float()).abs().max().item() if p.numel() else 0.0)
     stats = torch.tensor([1.0 - shared, unequal, worst], dtype=torch.float64)

@@ -1,0 +1,201 @@
+"""`aligner generate --model DIR --prompts FILE --out FILE [key=value ...]`: sample from an aligner checkpoint.
+
+DIR is an aligner checkpoint (its tokenizer, when saved, in DIR/tokenizer). FILE is JSONL, one prompt
+per line: {"prompt": "text"} (needs the tokenizer; encoded with its default special tokens) or
+{"prompt_ids": [int, ...]}. The output has one JSON line per prompt, in input order:
+{"response_ids": [...], "response": text or null, "logprobs": [...], "stop_reason": ...}.
+Sample i is seeded with (sampling.seed, i), so the output does not depend on batch_size or on the
+number of ranks. Overrides (key=value): see OVERRIDES. Several ranks run through the embedded
+launcher; TP x PP must divide launcher.nproc_per_node, the remaining factor splits the prompts (DP).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+OVERRIDES = {  # key -> (type, default)
+    "sampling.greedy": (bool, False),
+    "sampling.temperature": (float, 1.0),
+    "sampling.top_k": (int, 0),
+    "sampling.top_p": (float, 1.0),
+    "sampling.min_new_tokens": (int, 0),
+    "sampling.max_new_tokens": (int, 128),
+    "sampling.seed": (int, 0),
+    "batch_size": (int, 32),
+    "launcher.nproc_per_node": (int, 1),
+    "model.tensor_model_parallel_size": (int, 1),
+    "model.pipeline_model_parallel_size": (int, 1),
+}
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _parse_value(key: str, kind, text: str):
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise UsageError(f"{key}={text}: expected true or false")
+    try:
+        return kind(text)
+    except ValueError:
+        raise UsageError(f"{key}={text}: expected {kind.__name__}") from None
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """{key: value} for every known key (defaults filled in); an unknown key raises UsageError naming it."""
+    values = {key: default for key, (_, default) in OVERRIDES.items()}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise UsageError(f"override '{item}' is not key=value")
+        if key not in OVERRIDES:
+            raise UsageError(f"unknown override '{key}'; known keys: {', '.join(OVERRIDES)}")
+        values[key] = _parse_value(key, OVERRIDES[key][0], text)
+    tp, pp, nproc = (values["model.tensor_model_parallel_size"], values["model.pipeline_model_parallel_size"],
+                     values["launcher.nproc_per_node"])
+    if min(tp, pp, nproc, values["batch_size"]) < 1:
+        raise UsageError("batch_size, launcher.nproc_per_node and the parallel sizes must be >= 1")
+    if nproc % (tp * pp):
+        raise UsageError(f"launcher.nproc_per_node={nproc} is not a multiple of TP x PP = {tp} x {pp}")
+    return values
+
+
+def sampling_params(values: dict):
+    from aligner.generation.types import SamplingParams
+
+    return SamplingParams(**{key.split(".", 1)[1]: value for key, value in values.items()
+                             if key.startswith("sampling.")})
+
+
+def read_prompts(path, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Token ids per non-blank line; ValueError naming file:line for a bad line."""
+    prompts = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                if tokenizer is None:
+                    raise ValueError(f"{where}: a text prompt needs the checkpoint's tokenizer (DIR/tokenizer), "
+                                     "which is missing; give prompt_ids instead")
+                ids = list(tokenizer(record["prompt"])["input_ids"])
+            elif isinstance(record, dict) and isinstance(record.get("prompt_ids"), list):
+                ids = record["prompt_ids"]
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError(f"{where}: prompt_ids must be a list of integers")
+            else:
+                raise ValueError(f'{where}: expected {{"prompt": str}} or {{"prompt_ids": [int, ...]}}')
+            if not ids:
+                raise ValueError(f"{where}: the prompt is empty")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            prompts.append(ids)
+    return prompts
+
+
+def run_generation(job: dict) -> None:
+    """One rank: load the checkpoint under TP x PP, generate this data-parallel rank's share, rank 0 writes."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from aligner.data.tokenizer import load_tokenizer
+    from aligner.generation import rng
+    from aligner.generation.megatron_engine import MegatronEngine
+    from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
+    from aligner.models.gpt import build_gpt
+    from aligner.runtime import distributed
+    from aligner.runtime.seeding import seed_everything
+
+    values, model_dir = job["values"], Path(job["model"])
+    tp, pp = values["model.tensor_model_parallel_size"], values["model.pipeline_model_parallel_size"]
+    distributed.init_process_group()
+    distributed.init_model_parallel(tp, pp)
+    seed_everything(values["sampling.seed"])
+    model_cfg, vocab_size = model_config_from_checkpoint(
+        model_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = build_gpt(model_cfg, vocab_size)
+    load_weights(model_dir, model)
+    tokenizer = load_tokenizer(model_dir / "tokenizer") if (model_dir / "tokenizer").is_dir() else None
+    prompts = read_prompts(job["prompts"], tokenizer, vocab_size)
+    params = sampling_params(values)
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    share = -(-len(prompts) // dp)
+    mine = list(range(dp_rank * share, min(len(prompts), (dp_rank + 1) * share)))
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    engine = MegatronEngine(model, model_cfg, vocab_size, eos_id=eos,
+                            pad_id=tokenizer.pad_token_id if tokenizer is not None else None,
+                            tokenizer=tokenizer, max_batch_size=values["batch_size"])
+    rollout = engine.generate([prompts[i] for i in mine], params,
+                              seeds=[rng.derive_seed(params.seed, i) for i in mine])
+    records = [{"response_ids": ids, "response": tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None,
+                "logprobs": lps, "stop_reason": reason}
+               for ids, lps, reason in zip(rollout.responses(), rollout.response_logprobs(), rollout.stop_reason)]
+    first_of_replica = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dp_rank, records) if first_of_replica else None)
+    if dist.get_rank() == 0:
+        ordered = [r for _, part in sorted(p for p in gathered if p is not None) for r in part]
+        out = Path(job["out"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".partial")
+        with open(tmp, "w") as f:
+            for record in ordered:
+                f.write(json.dumps(record) + "\n")
+        os.replace(tmp, out)
+    distributed.shutdown()
+
+
+def rank_main(argv: list[str]) -> None:
+    """Entry point of a launched rank: argv = [job as JSON]."""
+    run_generation(json.loads(argv[0]))
+
+
+def generate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="aligner generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="aligner checkpoint directory")
+    parser.add_argument("--prompts", required=True, help='JSONL with {"prompt": ...} or {"prompt_ids": [...]}')
+    parser.add_argument("--out", required=True, help="output JSONL")
+    parser.add_argument("overrides", nargs="*", help=f"key=value, keys: {', '.join(OVERRIDES)}")
+    args = parser.parse_args(argv)
+    try:
+        values = parse_overrides(args.overrides)
+        sampling_params(values)  # validates the sampling values
+        for what, path in (("--model", args.model), ("--prompts", args.prompts)):
+            if not Path(path).exists():
+                raise UsageError(f"{what} {path} does not exist")
+    except (UsageError, ValueError) as e:
+        print(f"aligner generate: {e}", file=sys.stderr)
+        return 2
+    job = {"model": str(Path(args.model).resolve()), "prompts": str(Path(args.prompts).resolve()),
+           "out": str(Path(args.out).resolve()), "values": values}
+    nproc = values["launcher.nproc_per_node"]
+    if nproc == 1 or "WORLD_SIZE" in os.environ:  # a single rank, or torchrun/srun started every rank
+        run_generation(job)
+        return 0
+    from aligner.launch.local import RankFailed, launch
+
+    try:
+        launch("aligner.generation.cli:rank_main", [json.dumps(job)], nproc)
+    except RankFailed as e:
+        print(f"aligner generate: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(generate_main(sys.argv[1:]))

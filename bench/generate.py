@@ -1,0 +1,158 @@
+"""Generated tokens/s: aligner's MegatronEngine vs transformers' `LlamaForCausalLM.generate` (KV cache),
+on the same weights, in the same process, at the same thread count.
+
+    python bench/generate.py [--threads 1] [--batches 1,8,32] [--repeats 3] [--large] [--decode auto]
+
+Workload: 16-token random prompts, exactly 64 new tokens (eos banned until then on both sides:
+min_new_tokens = max_new_tokens = 64), multinomial sampling at temperature 1 with top-k/top-p off.
+Time per call includes prefill; the best of `--repeats` calls after one warm-up call is reported.
+The tiny model is 4 layers, hidden 128, 4 heads, ffn 512, vocab 512; --large adds hidden 512,
+8 layers, 8 heads, ffn 2048.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROMPT_LEN, NEW_TOKENS, VOCAB, EOS = 16, 64, 512, 1
+MODELS = {"tiny": dict(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512),
+          "large": dict(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048)}
+
+
+def build_pair(arch: dict):
+    """(megatron GPTModel, its ModelConfig, an HF LlamaForCausalLM holding the same weights)."""
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aligner.config.schema import ModelConfig
+    from aligner.models.gpt import build_gpt
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), arch)
+    gpt = build_gpt(cfg, VOCAB)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, hidden_act="silu",
+        max_position_embeddings=int(cfg.max_position_embeddings), rms_norm_eps=cfg.norm_epsilon,
+        rope_theta=cfg.rotary_base, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        bos_token_id=None, eos_token_id=EOS, pad_token_id=0))
+    missing, unexpected = hf.load_state_dict(hf_state(gpt, cfg), strict=False)
+    if [k for k in missing if "rotary" not in k] or unexpected:
+        raise RuntimeError(f"weight mapping: missing {missing}, unexpected {unexpected}")
+    hf.eval()
+    with torch.no_grad():  # same weights => same logits
+        ids = torch.randint(0, VOCAB, (2, PROMPT_LEN))
+        ours = gpt(ids, torch.arange(PROMPT_LEN).expand(2, -1), None)[..., :VOCAB]
+        theirs = hf(ids).logits
+        diff = (ours - theirs).abs().max().item()
+    if diff > 1e-4:
+        raise RuntimeError(f"HF and megatron logits differ by {diff}")
+    return gpt, cfg, hf, diff
+
+
+def hf_state(gpt, cfg) -> dict:
+    """HF Llama state dict from a TP=1 megatron GPTModel (qkv per query group, fc1 = [gate; up])."""
+    heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+    dim = cfg.hidden_size // heads
+    state = {"model.embed_tokens.weight": gpt.embedding.word_embeddings.weight[:VOCAB],
+             "model.norm.weight": gpt.decoder.final_layernorm.weight,
+             "lm_head.weight": gpt.output_layer.weight[:VOCAB]}
+    for i, layer in enumerate(gpt.decoder.layers):
+        p = f"model.layers.{i}."
+        qkv = layer.self_attention.linear_qkv.weight.view(groups, (heads // groups + 2) * dim, -1)
+        q, k, v = qkv.split([heads // groups * dim, dim, dim], dim=1)
+        gate, up = layer.mlp.linear_fc1.weight.chunk(2)
+        state.update({p + "input_layernorm.weight": layer.input_layernorm.weight,
+                      p + "post_attention_layernorm.weight": layer.pre_mlp_layernorm.weight,
+                      p + "self_attn.q_proj.weight": q.reshape(-1, cfg.hidden_size),
+                      p + "self_attn.k_proj.weight": k.reshape(-1, cfg.hidden_size),
+                      p + "self_attn.v_proj.weight": v.reshape(-1, cfg.hidden_size),
+                      p + "self_attn.o_proj.weight": layer.self_attention.linear_proj.weight,
+                      p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                      p + "mlp.down_proj.weight": layer.mlp.linear_fc2.weight})
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def run_model(name: str, batches: list[int], repeats: int, decode: str) -> list[tuple]:
+    import torch
+
+    from aligner.generation.megatron_engine import MegatronEngine
+    from aligner.generation.types import SamplingParams
+
+    gpt, cfg, hf, diff = build_pair(MODELS[name])
+    engine = MegatronEngine(gpt, cfg, VOCAB, eos_id=EOS, pad_id=0, max_batch_size=max(batches), decode=decode)
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, seed=0)
+    print(f"{name}: max |HF - megatron| logits {diff:.1e}; engine decode={engine.decode}", flush=True)
+    rows = []
+    for batch in batches:
+        prompts = torch.randint(2, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(batch))
+
+        def ours():
+            out = engine.generate(prompts.tolist(), params)
+            assert int(out.response_lengths.min()) == NEW_TOKENS
+
+        def theirs():
+            with torch.inference_mode():
+                out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
+                                  top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  use_cache=True, pad_token_id=0, eos_token_id=EOS)
+            assert out.shape[1] == PROMPT_LEN + NEW_TOKENS
+
+        tokens = batch * NEW_TOKENS
+        t_ours, t_hf = best_time(ours, repeats), best_time(theirs, repeats)
+        rows.append((name, batch, tokens / t_ours, tokens / t_hf))
+        print(f"  batch {batch:3d}: aligner {tokens / t_ours:8.0f} tok/s   transformers {tokens / t_hf:8.0f} tok/s   "
+              f"ratio {t_hf / t_ours:5.2f}x", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--large", action="store_true", help="also the hidden-512, 8-layer model")
+    parser.add_argument("--decode", default="auto", choices=["auto", "lean", "megatron"])
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+    import transformers
+
+    from aligner.runtime import distributed
+    from aligner.runtime.seeding import seed_everything
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    distributed.init_process_group()
+    distributed.init_model_parallel(1, 1, 1)
+    seed_everything(1234)
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = run_model("tiny", batches, args.repeats, args.decode)
+    if args.large:
+        rows += run_model("large", batches, args.repeats, args.decode)
+    print(f"\n{PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, sampling T=1, {args.threads} thread(s), "
+          f"torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"| model | batch | aligner tok/s | transformers tok/s | ratio |\n|---|---:|---:|---:|---:|")
+    for name, batch, ours, theirs in rows:
+        print(f"| {name} | {batch} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x |")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
