@@ -4,6 +4,7 @@
     aligner convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N]
     aligner convert mcore-to-hf --ckpt DIR --out DIR [--dtype bfloat16]
     aligner logprobs --model DIR --data FILE.jsonl --out FILE.jsonl [--tp N --pp N]
+    aligner generate --model DIR --prompts FILE.jsonl --out FILE.jsonl [sampling.greedy=true ...]
     aligner doctor                                 what this host can run (CUDA, optional GPU packages)
 """
 from __future__ import annotations
@@ -105,6 +106,12 @@ def logprobs(argv: list[str]) -> int:
     return 0
 
 
+def generate(argv: list[str]) -> int:
+    from aligner.generation.cli import generate_main
+
+    return generate_main(argv)
+
+
 def doctor(argv: list[str]) -> int:
     import torch
 
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"usage: aligner train <{'|'.join(TRAINERS)}> [overrides]", file=sys.stderr)
             return 2
         return train(rest[0], rest[1:])
-    handlers = {"convert": convert, "logprobs": logprobs, "doctor": doctor}
+    handlers = {"convert": convert, "logprobs": logprobs, "generate": generate, "doctor": doctor}
     if command not in handlers:
         print(f"aligner: unknown command '{command}'\n{__doc__}", file=sys.stderr)
         return 2
