@@ -1,11 +1,12 @@
 """Generated tokens/s: aligner's MegatronEngine vs transformers' `LlamaForCausalLM.generate` (KV cache),
 on the same weights, in the same process, at the same thread count.
 
-    python bench/generate.py [--threads 1] [--batches 1,8,32] [--repeats 3] [--large] [--decode auto]
+    python bench/generate.py [--threads 1,2] [--batches 1,8,32] [--repeats 5] [--large] [--decode auto]
 
 Workload: 16-token random prompts, exactly 64 new tokens (eos banned until then on both sides:
 min_new_tokens = max_new_tokens = 64), multinomial sampling at temperature 1 with top-k/top-p off.
-Time per call includes prefill; the best of `--repeats` calls after one warm-up call is reported.
+Time per call includes prefill; the best of `--repeats` calls (after one warm-up call, the two sides
+alternating) is reported.
 The tiny model is 4 layers, hidden 128, 4 heads, ffn 512, vocab 512; --large adds hidden 512,
 8 layers, 8 heads, ffn 2048.
 """
@@ -79,28 +80,33 @@ def hf_state(gpt, cfg) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def best_times(fns, repeats: int) -> list[float]:
+    """Best wall time of each function; calls alternate so that load changes hit both alike."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
-def run_model(name: str, batches: list[int], repeats: int, decode: str) -> list[tuple]:
+def run_model(name: str, batches: list[int], repeats: int, decode: str, threads: list[int]) -> list[tuple]:
     import torch
 
     from aligner.generation.megatron_engine import MegatronEngine
     from aligner.generation.types import SamplingParams
 
+    torch.set_num_threads(1)
     gpt, cfg, hf, diff = build_pair(MODELS[name])
     engine = MegatronEngine(gpt, cfg, VOCAB, eos_id=EOS, pad_id=0, max_batch_size=max(batches), decode=decode)
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, seed=0)
     print(f"{name}: max |HF - megatron| logits {diff:.1e}; engine decode={engine.decode}", flush=True)
     rows = []
-    for batch in batches:
+    for n_threads, batch in [(n, b) for n in threads for b in batches]:
+        torch.set_num_threads(n_threads)
         prompts = torch.randint(2, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(batch))
 
         def ours():
@@ -115,22 +121,24 @@ def run_model(name: str, batches: list[int], repeats: int, decode: str) -> list[
             assert out.shape[1] == PROMPT_LEN + NEW_TOKENS
 
         tokens = batch * NEW_TOKENS
-        t_ours, t_hf = best_time(ours, repeats), best_time(theirs, repeats)
-        rows.append((name, batch, tokens / t_ours, tokens / t_hf))
-        print(f"  batch {batch:3d}: aligner {tokens / t_ours:8.0f} tok/s   transformers {tokens / t_hf:8.0f} tok/s   "
+        t_ours, t_hf = best_times([ours, theirs], repeats)
+        rows.append((name, n_threads, batch, tokens / t_ours, tokens / t_hf))
+        print(f"  {n_threads} thread(s), batch {batch:3d}: aligner {tokens / t_ours:8.0f} tok/s   "
+              f"transformers {tokens / t_hf:8.0f} tok/s   "
               f"ratio {t_hf / t_ours:5.2f}x", flush=True)
     return rows
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--large", action="store_true", help="also the hidden-512, 8-layer model")
     parser.add_argument("--decode", default="auto", choices=["auto", "lean", "megatron"])
     args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    threads = [int(n) for n in args.threads.split(",")]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(threads)))
     import torch
     import transformers
 
@@ -138,19 +146,18 @@ def main(argv=None) -> None:
     from aligner.runtime.seeding import seed_everything
 
     transformers.logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
     distributed.init_process_group()
     distributed.init_model_parallel(1, 1, 1)
     seed_everything(1234)
     batches = [int(b) for b in args.batches.split(",")]
-    rows = run_model("tiny", batches, args.repeats, args.decode)
+    rows = run_model("tiny", batches, args.repeats, args.decode, threads)
     if args.large:
-        rows += run_model("large", batches, args.repeats, args.decode)
-    print(f"\n{PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, sampling T=1, {args.threads} thread(s), "
+        rows += run_model("large", batches, args.repeats, args.decode, threads)
+    print(f"\n{PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, sampling T=1, "
           f"torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"| model | batch | aligner tok/s | transformers tok/s | ratio |\n|---|---:|---:|---:|---:|")
-    for name, batch, ours, theirs in rows:
-        print(f"| {name} | {batch} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x |")
+    print("| model | threads | batch | aligner tok/s | transformers tok/s | ratio |\n|---|---:|---:|---:|---:|---:|")
+    for name, n_threads, batch, ours, theirs in rows:
+        print(f"| {name} | {n_threads} | {batch} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x |")
     distributed.shutdown()
 
 

@@ -138,7 +138,15 @@ def phase_tp1(workdir: Path, out: dict, ref: dict) -> None:
         out[f"tp1_{mode}_greedy_vs_trainer_logprobs"] = max_diff(
             roll.response_logprobs(), [trainer_logprobs(model, p, r, greedy) for p, r in zip(ps_, ref["greedy"])])
         out[f"tp1_{mode}_greedy_vs_recompute_logprobs"] = max_diff(roll.response_logprobs(), ref["greedy_logprobs"])
-    out["tp1_decode_auto"] = MegatronEngine(model, m, VOCAB, eos_id=None).decode
+    auto = MegatronEngine(model, m, VOCAB, eos_id=None)
+    out["tp1_decode_auto"] = auto.decode
+    from aligner.generation.types import GenerationBackend
+
+    auto.sleep()
+    auto.wake()
+    out["tp1_protocol_sleep_wake"] = (isinstance(auto, GenerationBackend)
+                                      and auto.generate(ps_, greedy).responses() == ref["greedy"]
+                                      and len(auto.generate([], greedy)) == 0)
 
     # sampling: both paths agree; engine log-probs = trainer log-probs under the filtered distribution
     for name, params in (("sampled", sampled), ("hot", hot)):

@@ -43,7 +43,7 @@ def test_greedy_matches_recompute_without_cache(results):
     _small(results, "tp1_lean_greedy_vs_recompute_logprobs", "tp1_megatron_greedy_vs_recompute_logprobs",
            *(f"{tag}_{mode}_greedy_logprob_diff" for tag in ("tp2", "pp2") for mode in ("lean", "megatron")))
     assert results["tp1_decode_auto"] == "lean"
-    assert results["ranks_agree"]
+    _true(results, "tp1_protocol_sleep_wake", "ranks_agree")
 
 
 @pytest.mark.dist

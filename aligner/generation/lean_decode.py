@@ -100,9 +100,9 @@ class LeanDecoder:
         self.cos = (cos[:, None, :] * row_scale).to(self.dtype)
         self.sin = (sin[:, None, :] * row_scale).to(self.dtype)
         self.layers = [self._layer_params(layer) for layer in model.decoder.layers]
-        shape = (batch, self.groups, max_seq, self.head_dim)
-        self.cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]
+        shape = (batch, self.groups, max_seq, self.head_dim)  # slot s is written before it is ever read
+        self.cache = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                       torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]
         # the same memory as [B * G, S, D] batches for bmm
         self.flat = [(k.view(-1, max_seq, self.head_dim), v.view(-1, max_seq, self.head_dim)) for k, v in self.cache]
         if model.pre_process:

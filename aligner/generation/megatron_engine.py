@@ -186,75 +186,55 @@ class MegatronEngine:
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollout:
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        layout, device = self._layout, self.device
+        layout, device, lean = self._layout, self.device, self.decode == "lean"
         self._dtype = next(self.gpt.parameters()).dtype
-        batch, lengths = len(prompts), [len(p) for p in prompts]
-        shortest, longest = min(lengths), max(lengths)
-        max_new, lean = params.max_new_tokens, self.decode == "lean"
+        lengths = [len(p) for p in prompts]
+        batch, shortest, longest, max_new = len(prompts), min(lengths), max(lengths), params.max_new_tokens
         slots = longest + max_new
         buffer = torch.tensor([p + [self.pad_id] * (slots - len(p)) for p in prompts], dtype=torch.int64,
                               device=device)
         prompt_len = torch.tensor(lengths, dtype=torch.int64, device=device)
+        last_slot = prompt_len + (max_new - 1)  # a sample's response ends at this slot at the latest
         slot_logprobs = torch.zeros(batch, slots, dtype=torch.float32, device=device)
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
-        generated = torch.zeros(batch, dtype=torch.int64, device=device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # a stop token / string was produced
         stop_ids = stop_token_tensor(self.eos_id, params.stop_token_ids, device)
         strings = StopStrings(self.tokenizer, params.stop_strings, batch) if params.stop_strings else None
-        sampler = layout.is_sampler
-        uniforms = rng.uniform(rng.step_keys(seeds, max_new, device)) if sampler and not params.is_greedy else None
-        ban_early = params.min_new_tokens > 0 and stop_ids.numel() > 0
+        chooser = _TokenChooser(params, seeds, prompt_len, shortest, longest, stop_ids, device) \
+            if layout.is_sampler else None
 
         started = time.perf_counter()
         context = StaticInferenceContext(batch, shortest if lean else slots)
-        logits = self._megatron_step(context, buffer[:, :shortest], 0)
+        logits = self._megatron_step(context, buffer[:, :shortest], 0)  # prefill: megatron fills its KV cache
         decoder = None
         if lean:
             decoder = LeanDecoder(self.gpt, layout, batch, slots)
             decoder.load_prefix(context, shortest)
             context = None
-        prefill_s, steps = time.perf_counter() - started, 0
+        prefill_s = time.perf_counter() - started
 
         with _without_torch_function_modes() if lean else contextlib.nullcontext():
             for t in range(shortest, slots):
-                in_prompt = t < longest  # some samples are still being fed their prompt
-                if sampler:
-                    if in_prompt:
-                        index = (t - prompt_len).clamp(0, max_new - 1)  # this step's response index
-                        if ban_early and t - longest < params.min_new_tokens:
-                            sampling.ban(logits, stop_ids, (t - prompt_len) < params.min_new_tokens)
-                        u = uniforms.gather(1, index[:, None]).squeeze(1) if uniforms is not None else None
-                    else:
-                        r = min(t - shortest, max_new - 1) if shortest == longest else None
-                        if ban_early and t - longest < params.min_new_tokens:
-                            rows = None if r is not None else (t - prompt_len) < params.min_new_tokens
-                            sampling.ban(logits, stop_ids, rows)
-                        if uniforms is None:
-                            u = None
-                        elif r is not None:
-                            u = uniforms[:, r]
-                        else:
-                            u = uniforms.gather(1, (t - prompt_len).clamp(0, max_new - 1)[:, None]).squeeze(1)
-                    token, logprob = sampling.sample(logits, params, u)
+                if chooser is not None:
+                    token, logprob = chooser(logits, t)
                     slot_logprobs[:, t] = logprob
                 else:
                     token = torch.empty(batch, dtype=torch.int64, device=device)
-                layout.from_sampler(token)
-                if in_prompt:
+                token = layout.from_sampler(token)
+                feeding = None
+                if t < longest:  # samples with longer prompts are fed their own next prompt token
                     feeding = t < prompt_len
                     token = torch.where(feeding, buffer[:, t], token)
-                    active = ~(done | feeding)
-                else:
-                    active = ~done
                 buffer[:, t] = token
-                generated += active
-                hit = torch.isin(token, stop_ids) if stop_ids.numel() else torch.zeros_like(done)
-                done |= active & (hit | (generated >= max_new))
+                if stop_ids.numel():
+                    hit = torch.isin(token, stop_ids)
+                    stopped |= hit if feeding is None else hit & ~feeding
                 if strings is not None:
-                    matched = strings.update(token.tolist(), active.tolist())
+                    on = [p <= t <= p + max_new - 1 and not s for p, s in zip(lengths, stopped.tolist())]
+                    matched = strings.update(token.tolist(), on)
                     if matched:
-                        done[matched] = True
-                steps += 1
-                if bool(done.all()):
+                        stopped[matched] = True
+                finished = stopped if t < shortest + max_new - 1 else stopped | (last_slot <= t)
+                if bool(finished.all()):
                     break
                 if lean:
                     logits = self._lean_step(decoder, token, t)
@@ -264,16 +244,58 @@ class MegatronEngine:
         del context, decoder
 
         layout.from_sampler(slot_logprobs)
-        ids, logprobs = extract_responses(buffer, slot_logprobs, prompt_len, generated, self.pad_id)
-        lengths_out = generated.clone()
-        responses = [row[:n] for row, n in zip(ids.tolist(), lengths_out.tolist())]
+        response_len = _response_lengths(buffer, prompt_len, stop_ids, max_new, t,
+                                          [len(r) if hit else None for r, hit in zip(strings.responses, strings.hit)]
+                                          if strings else None)
+        ids, logprobs = extract_responses(buffer, slot_logprobs, prompt_len, response_len, self.pad_id)
+        responses = [row[:n] for row, n in zip(ids.tolist(), response_len.tolist())]
         reasons = stop_reasons(responses, strings.hit if strings else [False] * batch, self.eos_id,
                                params.stop_token_ids)
-        return Rollout(prompt_ids=prompts, response_ids=ids, response_lengths=lengths_out, logprobs=logprobs,
+        return Rollout(prompt_ids=prompts, response_ids=ids, response_lengths=response_len, logprobs=logprobs,
                        is_end=torch.tensor([r != STOP_LENGTH for r in reasons], device=device),
                        stop_reason=reasons, pad_id=self.pad_id,
-                       info={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps,
-                             "generated_tokens": int(lengths_out.sum())})
+                       info={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": t - shortest + 1,
+                             "generated_tokens": int(response_len.sum())})
+
+
+class _TokenChooser:
+    """The sampler's per-step choice: bans before min_new_tokens, this step's uniforms, `sampling.sample`.
+    Sample b's response index at slot t is r = t - P_b (negative while its prompt is being fed)."""
+
+    def __init__(self, params: SamplingParams, seeds, prompt_len, shortest: int, longest: int, stop_ids, device):
+        self.params, self.prompt_len, self.shortest, self.longest = params, prompt_len, shortest, longest
+        self.stop_ids = stop_ids if params.min_new_tokens > 0 else stop_ids[:0]
+        self.uniforms = None if params.is_greedy else rng.uniform(rng.step_keys(seeds, params.max_new_tokens, device))
+
+    def __call__(self, logits: torch.Tensor, t: int):
+        params, uniform_lengths = self.params, self.shortest == self.longest
+        if self.stop_ids.numel() and t - self.longest < params.min_new_tokens:
+            rows = None if uniform_lengths else (t - self.prompt_len) < params.min_new_tokens
+            sampling.ban(logits, self.stop_ids, rows)
+        u = None
+        if self.uniforms is not None:
+            if uniform_lengths:
+                u = self.uniforms[:, min(t - self.shortest, params.max_new_tokens - 1)]
+            else:
+                index = (t - self.prompt_len).clamp(0, params.max_new_tokens - 1)
+                u = self.uniforms.gather(1, index[:, None]).squeeze(1)
+        return sampling.sample(logits, params, u)
+
+
+def _response_lengths(buffer, prompt_len, stop_ids, max_new: int, last_t: int, string_lengths) -> torch.Tensor:
+    """Tokens per response: up to and including its first stop token (or the token completing a stop
+    string), else max_new; only slots up to `last_t` (the last one generated) count."""
+    steps = torch.arange(max_new, device=buffer.device)
+    index = prompt_len[:, None] + steps[None, :]
+    lengths = torch.full_like(prompt_len, max_new)
+    if stop_ids.numel():
+        hits = torch.isin(buffer.gather(1, index.clamp(max=buffer.shape[1] - 1)), stop_ids) & (index <= last_t)
+        lengths = torch.where(hits.any(1), hits.int().argmax(1) + 1, lengths)
+    lengths = torch.minimum(lengths, (last_t + 1 - prompt_len).clamp(min=0))
+    if string_lengths is not None:
+        cut = torch.tensor([n if n is not None else max_new for n in string_lengths], device=buffer.device)
+        lengths = torch.minimum(lengths, cut)
+    return lengths
 
 
 @contextlib.contextmanager
