@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 # algorithm -> module with `main(argv)` (a launched rank) and `run(cfg)` (in this process)
-TRAINERS = {"sft": "aligner.algorithms.sft"}
+TRAINERS = {"sft": "aligner.algorithms.sft", "rm": "aligner.algorithms.reward_model"}
 
 
 def _under_external_launcher() -> bool:

@@ -6,6 +6,7 @@ Derived values are interpolations (`${model.seq_length}`), never repeated number
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 from omegaconf import MISSING
@@ -109,5 +110,110 @@ class SFTRunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+class RMLoss(Enum):
+    bt = "bt"  # Bradley-Terry on (chosen, rejected) pairs
+    margin_bt = "margin_bt"  # Bradley-Terry with each pair's "margin" subtracted from the reward gap
+    regression = "regression"  # masked MSE on per-attribute labels (HelpSteer / SteerLM)
+
+
+@dataclass
+class RewardModelConfig:
+    loss: RMLoss = RMLoss.bt
+    attributes: list[str] = field(default_factory=list)  # regression: one head output per attribute
+
+
+@dataclass
+class RMRunConfig:
+    run_dir: str = "runs/rm"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+
+@dataclass
+class ServerConfig:
+    """How a PyTriton server (aligner/servers) listens and batches."""
+
+    host: str = "127.0.0.1"  # bind address of HTTP, gRPC and metrics; 0.0.0.0 accepts other hosts
+    port: int = 5555  # HTTP
+    grpc_port: Optional[int] = None  # None = port + 1
+    metrics_port: Optional[int] = None  # None = port + 2
+    max_batch_size: int = 64  # rows per request and per merged model call; more is refused
+    max_queue_delay_us: int = 2000  # dynamic batcher: how long a request may wait to be merged
+    max_seq_length: Optional[int] = None  # longest accepted request (tokens); None = the model's seq_length
+    forward_micro_batch_size: int = 8  # rows per forward pass on each data-parallel rank
+    exit_timeout_s: int = 3  # how long tritonserver waits for in-flight requests when stopping
+    log_file: Optional[str] = None  # tritonserver's own log; None = <run_dir>/tritonserver.log
+    ready_file: Optional[str] = None  # JSON {pid, url, models} written once every model is served
+
+
+@dataclass
+class ServeParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1  # data-parallel size = launcher.nproc_per_node / (TP x PP)
+    params_dtype: Optional[str] = None  # float32 | bfloat16; None = the checkpoint's
+
+
+@dataclass
+class RewardOutputConfig:
+    """What a served reward is made of."""
+
+    attribute_weights: Optional[list[float]] = None  # regression RMs: serve sum_a w_a r_a as one reward
+    standardize: bool = False  # serve (r - mean) / std
+    mean: float = 0.0
+    std: float = 1.0
+
+
+@dataclass
+class RewardServeConfig:
+    checkpoint: str = MISSING  # a reward-model checkpoint (`aligner train rm`, or an imported HF RM)
+    tokenizer: Optional[str] = None  # for text (`sentences`) requests; None = <checkpoint>/tokenizer
+    run_dir: str = "runs/serve_reward"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    parallel: ServeParallelConfig = field(default_factory=ServeParallelConfig)
+    reward: RewardOutputConfig = field(default_factory=RewardOutputConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+@dataclass
+class CriticTrainConfig:
+    global_batch_size: int = 16  # rows per optimizer step; a critic_train request is cut into such steps
+    micro_batch_size: int = 4
+    epochs: int = 1  # passes over each critic_train request
+    max_steps: int = 10000  # length of the LR schedule
+    loss_clip: float = 0.2  # value clipping: new values are kept within prev_values +- loss_clip
+    seed: int = 1234
+
+
+@dataclass
+class CriticServeConfig:
+    checkpoint: Optional[str] = None  # initial weights: a reward/value/LM checkpoint; a critic checkpoint
+    # in <run_dir>/checkpoints (from critic_save) takes precedence
+    tokenizer: Optional[str] = None  # for text requests; None = <checkpoint>/tokenizer
+    run_dir: str = "runs/serve_critic"
+    reward_checkpoint: Optional[str] = None  # co-host this reward model (same architecture), swapped in from CPU
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=5567))
+    parallel: ServeParallelConfig = field(default_factory=ServeParallelConfig)
+    trainer: CriticTrainConfig = field(default_factory=CriticTrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    reward: RewardOutputConfig = field(default_factory=RewardOutputConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+@dataclass
+class VerifierServeConfig:
+    verifier: str = "arithmetic"  # a rule of aligner.rewards.VERIFIERS
+    tokenizer: Optional[str] = None  # to decode token-id requests; text requests need none
+    run_dir: str = "runs/serve_verifier"
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=5570))
+
+
 # command name -> (yaml under conf/, schema)
-COMMANDS = {"sft": ("sft", SFTRunConfig)}
+COMMANDS = {"sft": ("sft", SFTRunConfig), "rm": ("rm", RMRunConfig),
+            "serve_reward": ("serve_reward", RewardServeConfig), "serve_critic": ("serve_critic", CriticServeConfig),
+            "serve_verifier": ("serve_verifier", VerifierServeConfig)}

@@ -1,0 +1,283 @@
+"""Reward-model training (`aligner train rm`): Bradley-Terry on preference pairs, margin-BT, and
+multi-attribute regression (HelpSteer / SteerLM style) with unlabelled attributes masked out.
+
+The model is the GPT with a scalar head (`aligner.models.heads`); a sequence's reward is the head
+output at its last real token. A pair micro-batch holds the chosen sequences in its first half of
+rows and the rejected ones in the second, so one forward pass scores both. Under context
+parallelism each rank holds two chunks of every sequence: the rank holding a sequence's last token
+contributes its score and the scores are summed over the CP group.
+
+Loss conventions (pure functions below; the trainer divides sums by the global count):
+* `bt`:         -log sigmoid(r_chosen - r_rejected), summed over pairs; count = pairs.
+* `margin_bt`:  -log sigmoid(r_chosen - r_rejected - margin), margin from each record (default 0).
+* `regression`: squared error over labelled (sample, attribute) entries; count = labelled entries.
+Pair metrics: `accuracy` = fraction of pairs with r_chosen > r_rejected (a tie counts 1/2, so a
+constant model scores chance), `reward/margin` = mean r_chosen - r_rejected, `reward/chosen`,
+`reward/rejected` = mean rewards. Regression metrics: `loss` (MSE), `abs_error` (MAE).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from aligner.algorithms.trainer import Trainer
+from aligner.observe.logs import configure_logging
+
+
+# ---- pure losses --------------------------------------------------------------------------------
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor | None = None):
+    """chosen, rejected, margins: [pairs] -> (loss sum, report sums). With `margins` this is the
+    margin-BT loss (Llama-2 RM, Touvron et al. 2023, eq. 2): -log sigmoid(r_c - r_r - m)."""
+    delta = chosen - rejected
+    shifted = delta if margins is None else delta - margins
+    loss = -F.logsigmoid(shifted).sum()
+    report = {"loss": loss.detach(), "accuracy": ((delta > 0).float() + 0.5 * (delta == 0).float()).sum(),
+              "reward/margin": delta.detach().sum(), "reward/chosen": chosen.detach().sum(),
+              "reward/rejected": rejected.detach().sum()}
+    return loss, report
+
+
+def regression_loss(predicted: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
+    """predicted, labels, mask: [b, attributes] -> (squared-error sum, count, report sums)."""
+    error = (predicted - labels) * mask
+    loss = error.pow(2).sum()
+    return loss, mask.sum(), {"loss": loss.detach(), "abs_error": error.detach().abs().sum()}
+
+
+# ---- batches ------------------------------------------------------------------------------------
+def _pad_rows(rows: list[list[int]], length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.full((len(rows), length), pad_id, dtype=torch.int64)
+    for i, ids in enumerate(rows):
+        if len(ids) > length:
+            raise ValueError(f"row {i} has {len(ids)} tokens, more than length={length}")
+        tokens[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return tokens, torch.tensor([len(ids) for ids in rows], dtype=torch.int64)
+
+
+class PairFormat:
+    """`PairSample`s -> tokens [2b, L] (chosen rows, then rejected rows), lengths [2b], margins [b]."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def length(self, sample) -> int:
+        return max(len(sample.chosen), len(sample.rejected))
+
+    def tokens(self, sample) -> int:
+        return len(sample.chosen) + len(sample.rejected)
+
+    def collate(self, samples, length: int) -> dict:
+        tokens, lengths = _pad_rows([s.chosen for s in samples] + [s.rejected for s in samples], length, self.pad_id)
+        return {"tokens": tokens, "lengths": lengths,
+                "margins": torch.tensor([s.margin for s in samples], dtype=torch.float32)}
+
+
+class RegressionFormat:
+    """`RegressionSample`s -> tokens [b, L], lengths [b], labels and label_mask [b, attributes]."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def length(self, sample) -> int:
+        return len(sample.ids)
+
+    tokens = length
+
+    def collate(self, samples, length: int) -> dict:
+        tokens, lengths = _pad_rows([s.ids for s in samples], length, self.pad_id)
+        return {"tokens": tokens, "lengths": lengths,
+                "labels": torch.tensor([s.labels for s in samples], dtype=torch.float32),
+                "label_mask": torch.tensor([s.label_mask for s in samples], dtype=torch.float32)}
+
+
+# ---- forward step ---------------------------------------------------------------------------------
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce sum forward, identity backward: every rank computes the same loss from the summed
+    scores, and each rank's gradient reaches only the positions it holds."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        tensor = tensor.clone()
+        torch.distributed.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sequence_scores(values: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Head outputs at each sequence's last token. values [b, s_local, k] at global `positions`
+    [s_local] (this CP rank's chunks) -> [b, k], summed over the context-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    from aligner.models.heads import last_token_scores
+
+    if ps.get_context_parallel_world_size() == 1:
+        return last_token_scores(values, lengths)
+    at_last = (positions.view(1, -1) == (lengths.view(-1, 1) - 1)).to(values.dtype)
+    local = (values * at_last.unsqueeze(-1)).sum(1)
+    return _SumOverGroup.apply(local, ps.get_context_parallel_group())
+
+
+def make_rm_forward_step(kind: str):
+    """The megatron forward step for `kind` "pairs" (BT, with the batch's margins) or "regression"."""
+    from megatron.core import parallel_state as ps
+
+    from aligner.models.cp_attention import positions_on_rank
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    use_margins = kind == "margin_pairs"
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        if device is not None:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        tokens = batch["tokens"]
+        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        positions = (positions_on_rank(tokens.shape[1], cp, cp_rank) if cp > 1
+                     else torch.arange(tokens.shape[1])).to(tokens.device)
+        output = model(tokens[:, positions], positions.unsqueeze(0).expand(tokens.shape[0], -1), None)
+
+        def loss_func(values):
+            scores = sequence_scores(values.float(), batch["lengths"], positions)
+            if kind == "regression":
+                loss, count, report = regression_loss(scores, batch["labels"], batch["label_mask"])
+            else:
+                pairs = scores.shape[0] // 2
+                chosen, rejected = scores[:pairs, 0], scores[pairs:, 0]
+                loss, report = bradley_terry_loss(chosen, rejected, batch["margins"] if use_margins else None)
+                count = torch.tensor(float(pairs), device=scores.device)
+            # Every CP rank computes the same loss; the count and the reports come from CP rank 0 once.
+            keep = 1.0 if cp_rank == 0 else 0.0
+            report = {k: v.detach().float() * keep for k, v in report.items()}
+            report["count"] = count.detach().float() * keep
+            return loss, (count * keep).int(), report
+
+        return output, loss_func
+
+    return forward_step
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+def head_outputs(path) -> int | None:
+    """Outputs of a checkpoint's scalar head (None for a language-model checkpoint)."""
+    from aligner.models.checkpoint import read_metadata
+
+    meta = read_metadata(path)
+    if meta.get("head", "lm") == "lm":
+        return None
+    if "scalar_head" in meta:
+        return int(meta["scalar_head"]["num_outputs"])
+    from megatron.core import dist_checkpointing
+
+    return int(dist_checkpointing.load_tensors_metadata(str(Path(path) / "weights"))["output_layer.weight"].shape[0])
+
+
+def load_pretrained(path, model, num_outputs: int) -> bool:
+    """Load a checkpoint into a scalar-head model (any TP/PP): all weights when its head has
+    `num_outputs` outputs, else everything but the head (a language model, or a reward model with
+    other attributes), which keeps its initialisation. Collective. Returns whether the head loaded."""
+    from megatron.core import dist_checkpointing
+
+    from aligner.models.checkpoint import unwrap
+
+    inner = unwrap(model)
+    sharded = inner.sharded_state_dict()
+    with_head = head_outputs(path) == num_outputs
+    skipped = [] if with_head else [k for k in sharded if k.startswith("output_layer.")]
+    for key in skipped:
+        del sharded[key]
+    loaded = dist_checkpointing.load({"model": sharded}, str(Path(path) / "weights"))["model"]
+    missing, unexpected = inner.load_state_dict(loaded, strict=False)
+    if set(missing) - set(skipped) or unexpected:
+        raise RuntimeError(f"{path} does not fit this model: missing {sorted(set(missing) - set(skipped))[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+    return with_head
+
+
+class RewardModelTrainer(Trainer):
+    """The shared loop, saving the head's description with each checkpoint and starting from a
+    language-model (or reward) checkpoint's weights."""
+
+    def __init__(self, *args, head_meta: dict, **kwargs):
+        super().__init__(*args, head="reward", **kwargs)
+        self.head_meta = head_meta
+
+    def save(self) -> None:
+        from aligner.models import checkpoint
+        from aligner.runtime.seeding import rng_state
+
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
+        path = checkpoint.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}", self.model,
+                                          self.cfg.model, self.vocab_size, optimizer=self.optimizer,
+                                          trainer_state=state, rank_state=rng_state(), tokenizer=self.tokenizer,
+                                          head="reward", extra_meta={"scalar_head": self.head_meta})
+        if self.is_logger:
+            import logging
+
+            logging.getLogger(__name__).info("saved checkpoint %s", path)
+
+    def resume(self) -> None:
+        from aligner.models import checkpoint
+
+        if checkpoint.latest_checkpoint(self.run_dir / "checkpoints") is None and self.cfg.model.pretrained:
+            load_pretrained(self.cfg.model.pretrained, self.model, self.head_meta["num_outputs"])
+            return
+        super().resume()
+
+
+# ---- entry points ---------------------------------------------------------------------------------
+def main(argv: list[str]) -> None:
+    """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
+    from aligner.config import load_resolved
+
+    run(load_resolved(argv[0], "rm"))
+
+
+def run(cfg) -> None:
+    """One rank of `aligner train rm` with a validated config."""
+    from aligner.data.preference_rm import load_rm_dataset
+    from aligner.data.tokenizer import load_tokenizer
+    from aligner.models.gpt import build_gpt
+    from aligner.models.heads import attach_scalar_head
+    from aligner.models.training import wrap_for_training
+    from aligner.runtime import distributed
+    from aligner.runtime.seeding import seed_everything
+
+    m, rm, d = cfg.model, cfg.rm, cfg.data
+    loss = rm.loss.value if hasattr(rm.loss, "value") else str(rm.loss)
+    attributes = list(rm.attributes)
+    if loss == "regression" and not attributes:
+        raise ValueError("rm.loss=regression needs rm.attributes: the names of the labels to regress, e.g. "
+                         "rm.attributes=[helpfulness,correctness]")
+    if loss != "regression" and attributes:
+        raise ValueError(f"rm.attributes is only used by rm.loss=regression (got rm.loss={loss})")
+    distributed.init_process_group()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cfg.launcher.threads_per_rank)
+    distributed.init_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                    m.context_parallel_size)
+    configure_logging(torch.distributed.get_rank())
+    seed_everything(cfg.trainer.seed)
+
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    vocab_size = m.vocab_size or len(tokenizer)
+    kind = "regression" if loss == "regression" else "pairs"
+
+    def load(path):
+        return load_rm_dataset(path, tokenizer, kind, attributes, d.format, d.max_length, d.overlong)
+
+    train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
+    num_outputs = len(attributes) if kind == "regression" else 1
+    model = attach_scalar_head(build_gpt(m, vocab_size), num_outputs)
+    model, optimizer, scheduler = wrap_for_training(model, m, cfg.optim)
+    batch_format = (RegressionFormat if kind == "regression" else PairFormat)(tokenizer.pad_token_id)
+    step = make_rm_forward_step("margin_pairs" if loss == "margin_bt" else kind)
+    head_meta = {"num_outputs": num_outputs, "attributes": attributes or None, "loss": loss}
+    trainer = RewardModelTrainer(cfg, model, optimizer, scheduler, step, train, val, batch_format, vocab_size,
+                                 tokenizer, head_meta=head_meta)
+    trainer.fit()
+    distributed.shutdown()

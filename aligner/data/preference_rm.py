@@ -1,0 +1,221 @@
+"""Reward-model data: preference pairs (Bradley-Terry) and attribute labels (regression).
+
+Records, one JSON object per line (`aligner.data.jsonl`):
+* pairs, text:  `{"prompt": str, "chosen": str, "rejected": str, "margin"?: number}`;
+  each side is the text `prompt + response`.
+* pairs, chat:  `{"prompt": [messages], "chosen": str | [messages], "rejected": ...}` (a string is one
+  assistant turn appended to the prompt), or `{"chosen": [messages], "rejected": [messages]}` (whole
+  conversations); each side is rendered with the tokenizer's chat template.
+* regression:   `{"prompt": str | [messages], "response": str, "labels": {attribute: number | null}}`,
+  or `{"messages": [...], "labels": ...}`; without `labels`, the attributes are read from the
+  record's top level (HelpSteer files). `labels` may also be a list aligned with the attributes.
+  A missing or null label is masked out of the loss.
+Tokenization (`encode_for_reward`, shared with the reward server's text input): the text is encoded
+without special tokens; the tokenizer's bos is prepended if it adds one by default and the text does
+not already start with it; eos is appended unless the text already ends with it. The reward is read
+at that last token (`aligner.models.heads.last_token_scores`).
+Overlong samples (either side of a pair longer than `max_length`) are dropped by default, or
+truncated to their first `max_length` tokens.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from aligner.data.jsonl import DataError, json_type, read_jsonl
+from aligner.data.sft import _adds_bos, _check_chat
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PairSample:
+    chosen: list[int]
+    rejected: list[int]
+    margin: float = 0.0  # margin-BT: the chosen reward should exceed the rejected one by this much
+
+
+@dataclass(frozen=True)
+class RegressionSample:
+    ids: list[int]
+    labels: list[float]  # one per attribute; 0.0 where masked
+    label_mask: list[float]  # 1.0 where the attribute is labelled
+
+
+@dataclass(frozen=True)
+class RMStats:
+    records: int
+    samples: int
+    truncated: int
+    dropped: int
+    max_length: int
+
+    def __str__(self) -> str:
+        return f"{self.samples} samples, {self.truncated} truncated to {self.max_length} tokens, {self.dropped} dropped"
+
+
+class RMDataset(Sequence):
+    def __init__(self, samples: list, stats: RMStats):
+        self.samples, self.stats = samples, stats
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
+
+
+def encode_for_reward(tokenizer, text: str) -> list[int]:
+    """Token ids a reward model scores for `text` (see the module doc)."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = tokenizer.bos_token_id
+    if _adds_bos(tokenizer) and ids[:1] != [bos]:
+        ids = [bos] + ids
+    if ids[-1:] != [tokenizer.eos_token_id]:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _render(tokenizer, messages: list[dict]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+
+
+def _side(obj: dict, key: str, fmt: str) -> str | list:
+    """The text (input_output) or the conversation (chat) of one side of a record."""
+    prompt, response = obj.get("prompt"), obj.get(key)
+    if response is None:
+        raise DataError(f"expected '{key}', but the record has none (keys: {sorted(obj)})")
+    if isinstance(response, list):  # a whole conversation, or the assistant turns after a chat prompt
+        if fmt == "input_output":
+            raise DataError(f"'{key}' is a message list but data.format=input_output expects strings")
+        head = [] if prompt is None else prompt
+        if not isinstance(head, list):
+            raise DataError(f"'{key}' is a message list, so 'prompt' must be one too, got {json_type(prompt)}")
+        return _check_chat({"messages": head + response})
+    if not isinstance(response, str):
+        raise DataError(f"expected '{key}' to be a string or a message list, got {json_type(response)}")
+    if isinstance(prompt, list):
+        if fmt == "input_output":
+            raise DataError("'prompt' is a message list but data.format=input_output expects strings")
+        return _check_chat({"messages": prompt + [{"role": "assistant", "content": response}]})
+    if not isinstance(prompt, str):
+        raise DataError(f"expected 'prompt' to be a string or a message list, got {json_type(prompt)}")
+    if fmt == "chat":
+        raise DataError("data.format=chat expects message lists, got strings")
+    return prompt + response
+
+
+def _encode_side(side, tokenizer) -> list[int]:
+    return encode_for_reward(tokenizer, side if isinstance(side, str) else _render(tokenizer, side))
+
+
+def tokenize_pair(obj: dict, tokenizer, fmt: str = "auto") -> PairSample:
+    margin = obj.get("margin", 0.0)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise DataError(f"expected 'margin' to be a finite number, got {json.dumps(margin)}")
+    return PairSample(_encode_side(_side(obj, "chosen", fmt), tokenizer),
+                      _encode_side(_side(obj, "rejected", fmt), tokenizer), float(margin))
+
+
+def _labels(obj: dict, attributes: Sequence[str]) -> tuple[list[float], list[float]]:
+    raw = obj.get("labels", obj)
+    if isinstance(raw, list):
+        if len(raw) != len(attributes):
+            raise DataError(f"'labels' has {len(raw)} entries but {len(attributes)} attributes are configured "
+                            f"({', '.join(attributes)})")
+        raw = dict(zip(attributes, raw))
+    if not isinstance(raw, dict):
+        raise DataError(f"expected 'labels' to be an object or a list, got {json_type(raw)}")
+    labels, mask = [], []
+    for name in attributes:
+        value = raw.get(name)
+        if value is None:
+            labels.append(0.0)
+            mask.append(0.0)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DataError(f"label '{name}' must be a finite number or null, got {json.dumps(value)}")
+        labels.append(float(value))
+        mask.append(1.0)
+    return labels, mask
+
+
+def tokenize_regression(obj: dict, tokenizer, attributes: Sequence[str], fmt: str = "auto") -> RegressionSample | None:
+    """None when the record has no label for any attribute (nothing to learn)."""
+    if "messages" in obj:
+        side = _check_chat(obj)
+    else:
+        side = _side(obj, "response", fmt)
+    labels, mask = _labels(obj, attributes)
+    if not any(mask):
+        return None
+    return RegressionSample(_encode_side(side, tokenizer), labels, mask)
+
+
+def load_rm_dataset(path: str | Path, tokenizer, kind: str = "pairs", attributes: Sequence[str] = (),
+                    fmt: str = "auto", max_length: int = 256, overlong: str = "drop") -> RMDataset:
+    """Read, validate and tokenize a reward-model JSONL file of `kind` "pairs" or "regression";
+    malformed records raise DataError(`path:line: ...`)."""
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    samples, records, truncated, dropped = [], 0, 0, 0
+    for line_no, obj in read_jsonl(path):
+        records += 1
+        try:
+            sample = (tokenize_pair(obj, tokenizer, fmt) if kind == "pairs"
+                      else tokenize_regression(obj, tokenizer, attributes, fmt))
+        except DataError as e:
+            raise DataError(f"{path}:{line_no}: {e}") from None
+        if sample is None:
+            dropped += 1
+            continue
+        sequences = (sample.chosen, sample.rejected) if kind == "pairs" else (sample.ids,)
+        if any(len(s) > max_length for s in sequences):
+            if overlong == "drop":
+                dropped += 1
+                continue
+            truncated += 1
+            if kind == "pairs":
+                sample = PairSample(sample.chosen[:max_length], sample.rejected[:max_length], sample.margin)
+            else:
+                sample = RegressionSample(sample.ids[:max_length], sample.labels, sample.label_mask)
+        samples.append(sample)
+    stats = RMStats(records, len(samples), truncated, dropped, max_length)
+    log.info("%s: %s", path, stats)
+    if not samples:
+        raise DataError(f"{path}: none of its {records} records gave a usable sample ({dropped} dropped at "
+                        f"max_length={max_length}, overlong={overlong!r})")
+    return RMDataset(samples, stats)
+
+
+# ---- a synthetic preference task ---------------------------------------------------------------
+def arithmetic_preferences(n: int, seed: int, max_operand: int = 9, ops: str = "+", chat: bool = True) -> list[dict]:
+    """`n` pairs where the chosen response is the right answer to an arithmetic problem and the
+    rejected one a wrong answer (the right one moved by 1..10); deterministic by seed."""
+    from aligner.data.synthetic import arithmetic_problems
+
+    rng = random.Random(seed + 7919)
+    records = []
+    for problem in arithmetic_problems(n, seed, max_operand, ops):
+        right = int(problem["answer"])
+        wrong = right + rng.choice([d for d in range(-10, 11) if d and right + d >= 0])
+        if chat:
+            prompt = [{"role": "user", "content": f"What is {problem['question'][:-1]}?"}]
+        else:
+            prompt = problem["question"]
+        records.append({"prompt": prompt, "chosen": str(right), "rejected": str(wrong)})
+    return records
+
+
+def write_arithmetic_preferences(path: str | Path, n: int, seed: int, **kwargs) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_preferences(n, seed, **kwargs)))
+    return path

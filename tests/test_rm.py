@@ -1,0 +1,224 @@
+"""Reward-model training: hand-computed losses, the preference / regression data formats, and
+`aligner train rm` learning a synthetic preference task at TP=1 and TP=2, with PP=2 and CP=2
+reproducing the TP=1 losses."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.conftest import read_metrics, run_cli
+
+
+# ---- pure losses -----------------------------------------------------------------------------------
+def test_bradley_terry_hand_computed():
+    from aligner.algorithms.reward_model import bradley_terry_loss
+
+    chosen, rejected = torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 0.5, 1.0])
+    loss, report = bradley_terry_loss(chosen, rejected)
+    expected = -(math.log(1 / (1 + math.exp(-1.0))) + math.log(1 / (1 + math.exp(0.5))) + math.log(0.5))
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert report["accuracy"].item() == 1.5  # one win, one loss, one tie (1/2)
+    assert report["reward/margin"].item() == pytest.approx(0.5)
+    assert report["reward/chosen"].item() == 3.0 and report["reward/rejected"].item() == 2.5
+    margin_loss, _ = bradley_terry_loss(chosen, rejected, torch.tensor([1.0, 0.0, 0.0]))
+    assert margin_loss.item() == pytest.approx(expected + math.log(1 / (1 + math.exp(-1.0))) - math.log(0.5))
+
+
+def test_regression_loss_masks_missing_labels():
+    from aligner.algorithms.reward_model import regression_loss
+
+    predicted = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    labels = torch.tensor([[0.0, 2.0], [5.0, -100.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, count, report = regression_loss(predicted, labels, mask)
+    assert loss.item() == 1.0 + 0.0 + 4.0 and count.item() == 3 and report["abs_error"].item() == 3.0
+
+
+def test_sequence_scores_read_the_last_token():
+    from aligner.runtime import distributed
+    from aligner.algorithms.reward_model import sequence_scores
+
+    distributed.init_process_group()
+    distributed.init_model_parallel()
+    values = torch.arange(12.0).view(2, 6, 1)
+    assert sequence_scores(values, torch.tensor([3, 6]), torch.arange(6)).flatten().tolist() == [2.0, 11.0]
+
+
+# ---- data ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tokenizer(tiny_assets):
+    from aligner.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_assets / "tokenizer")
+
+
+def _write(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def test_pair_formats_tokenize_alike(tokenizer, tmp_path):
+    from aligner.data.preference_rm import encode_for_reward, load_rm_dataset
+
+    user = [{"role": "user", "content": "What is 2+3?"}]
+    records = [
+        {"prompt": "2+3=", "chosen": "5", "rejected": "6", "margin": 2},
+        {"prompt": user, "chosen": "5", "rejected": "6"},
+        {"chosen": user + [{"role": "assistant", "content": "5"}], "rejected": user + [{"role": "assistant", "content": "6"}]},
+    ]
+    data = load_rm_dataset(_write(tmp_path / "p.jsonl", records), tokenizer, "pairs")
+    text, chat, conversation = data.samples
+    assert text.chosen == encode_for_reward(tokenizer, "2+3=5") and text.margin == 2.0
+    assert text.chosen[-1] == tokenizer.eos_token_id
+    assert chat == conversation and chat.margin == 0.0
+    rendered = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": "5"}], tokenize=False)
+    assert chat.chosen == encode_for_reward(tokenizer, rendered)
+    assert chat.chosen.count(tokenizer.eos_token_id) == 2  # the template's eos is not doubled
+
+
+def test_regression_labels_and_masks(tokenizer, tmp_path):
+    from aligner.data.preference_rm import load_rm_dataset
+
+    records = [
+        {"prompt": "q", "response": "a", "labels": {"helpfulness": 3, "correctness": None}},
+        {"prompt": "q", "response": "b", "helpfulness": 1, "correctness": 2.5},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "c"}], "labels": [None, 4]},
+        {"prompt": "q", "response": "d", "labels": {}},  # nothing labelled: dropped
+    ]
+    data = load_rm_dataset(_write(tmp_path / "r.jsonl", records), tokenizer, "regression",
+                           ["helpfulness", "correctness"])
+    assert [(s.labels, s.label_mask) for s in data.samples] == [
+        ([3.0, 0.0], [1.0, 0.0]), ([1.0, 2.5], [1.0, 1.0]), ([0.0, 4.0], [0.0, 1.0])]
+    assert data.stats.dropped == 1
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": "q", "chosen": "a"}, "expected 'rejected'"),
+    ({"prompt": "q", "chosen": 3, "rejected": "b"}, "'chosen' to be a string or a message list, got a number"),
+    ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": "big"}, "'margin' to be a finite number"),
+    ('{"prompt": "q"', "invalid JSON"),
+])
+def test_bad_pairs_name_file_and_line(tokenizer, tmp_path, record, message):
+    from aligner.data.jsonl import DataError
+    from aligner.data.preference_rm import load_rm_dataset
+
+    path = _write(tmp_path / "bad.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}, record])
+    with pytest.raises(DataError, match=f"{path}:2: .*{message}"):
+        load_rm_dataset(path, tokenizer, "pairs")
+
+
+def test_overlong_pairs_are_dropped_or_truncated(tokenizer, tmp_path):
+    from aligner.data.preference_rm import load_rm_dataset
+
+    path = _write(tmp_path / "long.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"},
+                                            {"prompt": "q" * 50, "chosen": "a", "rejected": "b"}])
+    assert len(load_rm_dataset(path, tokenizer, "pairs", max_length=8)) == 1
+    kept = load_rm_dataset(path, tokenizer, "pairs", max_length=8, overlong="truncate")
+    assert len(kept) == 2 and kept.stats.truncated == 1 and len(kept[1].chosen) == 8
+
+
+# ---- training through the CLI -------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def preference_data(tiny_assets):
+    from aligner.data.preference_rm import write_arithmetic_preferences
+
+    root = tiny_assets / "preferences"
+    write_arithmetic_preferences(root / "train.jsonl", 2000, seed=1, max_operand=5)
+    write_arithmetic_preferences(root / "val.jsonl", 256, seed=2, max_operand=5)
+    return root
+
+
+def rm_args(assets, data, run_dir, *extra):
+    return ["train", "rm", f"run_dir={run_dir}", f"data.train_path={data / 'train.jsonl'}",
+            f"tokenizer.path={assets / 'tokenizer'}", "logging.progress=false", "logging.tensorboard=false",
+            "trainer.global_batch_size=32", "trainer.micro_batch_size=16", "optim.lr=1e-2", "optim.warmup_steps=5",
+            "optim.decay_steps=60", *extra]
+
+
+STEPS = 60
+_runs, _rm_checkpoints = {}, {}
+
+
+def _train(assets, data, tmp_path_factory, name, *layout, steps=STEPS):
+    run_dir = tmp_path_factory.mktemp(f"rm_{name}")
+    result = run_cli(*rm_args(assets, data, run_dir, f"trainer.max_steps={steps}", f"trainer.val_interval={steps}",
+                              f"data.val_path={data / 'val.jsonl'}", "trainer.val_batches=8", *layout))
+    assert result.returncode == 0, result.stderr[-4000:]
+    _runs[name] = read_metrics(run_dir)
+    _rm_checkpoints[name] = run_dir / "checkpoints" / f"step_{steps:06d}"
+    return run_dir, _runs[name]
+
+
+@pytest.mark.parametrize("layout", [[], ["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"]],
+                         ids=["tp1", "tp2"])
+def test_rm_learns_held_out_preferences(tiny_assets, preference_data, tmp_path_factory, layout):
+    name = "tp2" if layout else "tp1"
+    run_dir, metrics = _train(tiny_assets, preference_data, tmp_path_factory, name, *layout)
+    for key in ("loss", "accuracy", "reward/margin", "reward/chosen", "reward/rejected", "grad_norm"):
+        assert all(key in m for m in metrics), key
+    final = metrics[-1]
+    print(f"RM {name}: held-out accuracy {final['val/accuracy']:.3f}, val loss {final['val/loss']:.3f}")
+    assert final["val/accuracy"] >= 0.7, final
+    assert final["val/reward/margin"] > 0.5
+    meta = json.loads((run_dir / "checkpoints" / f"step_{STEPS:06d}" / "aligner.json").read_text())
+    assert meta["head"] == "reward" and meta["scalar_head"] == {"num_outputs": 1, "attributes": None, "loss": "bt"}
+    if name == "tp2" and "tp1" in _runs:  # same initial weights and data: the first steps agree
+        for a, b in zip(_runs["tp1"][:3], metrics[:3]):
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["accuracy"] == b["accuracy"]
+
+
+@pytest.fixture(scope="module")
+def from_trained_rm(tiny_assets, preference_data, tmp_path_factory):
+    """3 steps at TP=1 starting from a trained reward model (the PP/CP runs start from it too, since
+    initial weights drawn under PP differ from TP=1's)."""
+    if "tp1" not in _runs:
+        _train(tiny_assets, preference_data, tmp_path_factory, "tp1")
+    pretrained = _rm_checkpoints["tp1"]
+
+    def run(*layout):
+        run_dir = tmp_path_factory.mktemp("rm_layout")
+        result = run_cli(*rm_args(tiny_assets, preference_data, run_dir, "trainer.max_steps=3",
+                                  f"model.pretrained={pretrained}", *layout))
+        assert result.returncode == 0, result.stderr[-4000:]
+        return read_metrics(run_dir)
+
+    return run, run()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", [["model.pipeline_model_parallel_size=2"], ["model.context_parallel_size=2"]],
+                         ids=["pp2", "cp2"])
+def test_rm_parallel_layouts_match_tp1(from_trained_rm, layout):
+    run, reference = from_trained_rm
+    assert reference[0]["accuracy"] > 0.6  # the trained head was loaded, not re-initialised
+    for a, b in zip(reference, run("launcher.nproc_per_node=2", *layout)):
+        for key in ("loss", "accuracy", "reward/margin", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=2e-4), (key, a[key], b[key])
+
+
+def test_regression_rm_learns_and_rejects_bad_config(tiny_assets, tmp_path):
+    from aligner.data.synthetic import arithmetic_problems
+
+    # two attributes: "value" (the answer, when right) is always labelled, "parity" only for odd answers
+    records = []
+    for p in arithmetic_problems(256, seed=3, max_operand=5, ops="+"):
+        answer = int(p["answer"])
+        records.append({"prompt": p["question"], "response": p["answer"],
+                        "labels": {"value": answer / 10, "parity": 1.0 if answer % 2 else None}})
+    data = _write(tmp_path / "reg.jsonl", records)
+    run_dir = tmp_path / "reg"
+    args = ["train", "rm", f"run_dir={run_dir}", f"data.train_path={data}", f"tokenizer.path={tiny_assets / 'tokenizer'}",
+            "logging.progress=false", "logging.tensorboard=false", "trainer.max_steps=20", "trainer.global_batch_size=32",
+            "trainer.micro_batch_size=16", "optim.lr=3e-3", "optim.warmup_steps=3", "rm.loss=regression"]
+    result = run_cli(*args, "rm.attributes=[value,parity]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = read_metrics(run_dir)
+    assert metrics[-1]["loss"] < 0.3 * metrics[0]["loss"], (metrics[0]["loss"], metrics[-1]["loss"])
+    assert 32 < metrics[0]["loss_count"] < 64  # every "value" label, the odd answers' "parity" labels
+    meta = json.loads((run_dir / "checkpoints" / "step_000020" / "aligner.json").read_text())
+    assert meta["scalar_head"] == {"num_outputs": 2, "attributes": ["value", "parity"], "loss": "regression"}
+    bad = run_cli(*args[:-1], "rm.loss=hinge")
+    assert bad.returncode == 2 and "rm.loss" in bad.stderr
