@@ -43,13 +43,14 @@ def build_pair(arch: dict):
         max_position_embeddings=int(cfg.max_position_embeddings), rms_norm_eps=cfg.norm_epsilon,
         rope_theta=cfg.rotary_base, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
         bos_token_id=None, eos_token_id=EOS, pad_token_id=0))
+    hf.to(next(gpt.parameters()).device)
     missing, unexpected = hf.load_state_dict(hf_state(gpt, cfg), strict=False)
     if [k for k in missing if "rotary" not in k] or unexpected:
         raise RuntimeError(f"weight mapping: missing {missing}, unexpected {unexpected}")
     hf.eval()
     with torch.no_grad():  # same weights => same logits
-        ids = torch.randint(0, VOCAB, (2, PROMPT_LEN))
-        ours = gpt(ids, torch.arange(PROMPT_LEN).expand(2, -1), None)[..., :VOCAB]
+        ids = torch.randint(0, VOCAB, (2, PROMPT_LEN), device=hf.device)
+        ours = gpt(ids, torch.arange(PROMPT_LEN, device=hf.device).expand(2, -1), None)[..., :VOCAB]
         theirs = hf(ids).logits
         diff = (ours - theirs).abs().max().item()
     if diff > 1e-4:
@@ -108,6 +109,7 @@ def run_model(name: str, batches: list[int], repeats: int, decode: str, threads:
     for n_threads, batch in [(n, b) for n in threads for b in batches]:
         torch.set_num_threads(n_threads)
         prompts = torch.randint(2, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(batch))
+        hf_prompts = prompts.to(hf.device)
 
         def ours():
             out = engine.generate(prompts.tolist(), params)
@@ -115,10 +117,12 @@ def run_model(name: str, batches: list[int], repeats: int, decode: str, threads:
 
         def theirs():
             with torch.inference_mode():
-                out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
+                out = hf.generate(hf_prompts, attention_mask=torch.ones_like(hf_prompts), do_sample=True, temperature=1.0,
                                   top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                   use_cache=True, pad_token_id=0, eos_token_id=EOS)
             assert out.shape[1] == PROMPT_LEN + NEW_TOKENS
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
 
         tokens = batch * NEW_TOKENS
         t_ours, t_hf = best_times([ours, theirs], repeats)
@@ -153,7 +157,8 @@ def main(argv=None) -> None:
     rows = run_model("tiny", batches, args.repeats, args.decode, threads)
     if args.large:
         rows += run_model("large", batches, args.repeats, args.decode, threads)
-    print(f"\n{PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, sampling T=1, "
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"\n{PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, sampling T=1, {where}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}")
     print("| model | threads | batch | aligner tok/s | transformers tok/s | ratio |\n|---|---:|---:|---:|---:|---:|")
     for name, n_threads, batch, ours, theirs in rows:

@@ -81,9 +81,11 @@ def load_full_state(model, m, state: dict) -> None:
 def recompute_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     """Greedy decoding by full forward passes without a KV cache (TP=1, PP=1 model)."""
     model.eval()
+    device = next(model.parameters()).device
     seq, logprobs = list(prompt), []
     for _ in range(steps):
-        logits = model(torch.tensor([seq]), torch.arange(len(seq))[None], None)[0, -1, :VOCAB].float()
+        logits = model(torch.tensor([seq], device=device), torch.arange(len(seq), device=device)[None],
+                       None)[0, -1, :VOCAB].float()
         token = int(logits.argmax())
         logprobs.append(float(torch.log_softmax(logits, -1)[token]))
         seq.append(token)
@@ -96,10 +98,11 @@ def trainer_logprobs(model, prompt: list[int], response: list[int], params) -> l
     from aligner.generation.trainer_logprobs import sampling_logprobs
 
     model.eval()
+    device = next(model.parameters()).device
     seq = prompt + response
-    logits = model(torch.tensor([seq]), torch.arange(len(seq))[None], None)[0]
+    logits = model(torch.tensor([seq], device=device), torch.arange(len(seq), device=device)[None], None)[0]
     positions = slice(len(prompt) - 1, len(seq) - 1)
-    return sampling_logprobs(logits[positions], torch.tensor(response), params, VOCAB).tolist()
+    return sampling_logprobs(logits[positions], torch.tensor(response, device=device), params, VOCAB).tolist()
 
 
 def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -378,3 +381,40 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def gpu_main(argv: list[str]) -> None:
+    """One rank on one CUDA device: both decode paths against recomputation, fp32 and bf16."""
+    from aligner.generation.megatron_engine import MegatronEngine
+    from aligner.generation.types import SamplingParams
+    from aligner.runtime import distributed
+
+    workdir = Path(argv[0])
+    distributed.init_process_group()
+    out = {}
+    greedy = SamplingParams(greedy=True, max_new_tokens=MAX_NEW)
+    sampled = SamplingParams(max_new_tokens=MAX_NEW, seed=5, **SAMPLED)
+    for dtype in ("float32", "bfloat16"):
+        from aligner.models.gpt import build_gpt
+        from aligner.runtime.seeding import seed_everything
+
+        distributed.init_model_parallel(1, 1)
+        seed_everything(1)
+        m = model_config()
+        m.params_dtype = dtype
+        model = build_gpt(m, VOCAB)
+        ps_ = prompts()
+        out[f"{dtype}_device"] = str(next(model.parameters()).device)
+        reference = [recompute_greedy(model, p, MAX_NEW) for p in ps_]
+        rolls = {mode: MegatronEngine(model, m, VOCAB, eos_id=None, decode=mode) for mode in ("lean", "megatron")}
+        for mode, engine in rolls.items():
+            roll = engine.generate(ps_, greedy)
+            out[f"{dtype}_{mode}_greedy_equal"] = roll.responses() == [r for r, _ in reference]
+            out[f"{dtype}_{mode}_greedy_logprob_diff"] = max_diff(roll.response_logprobs(), [lp for _, lp in reference])
+            out[f"{dtype}_{mode}_is_cuda"] = roll.response_ids.is_cuda and roll.logprobs.is_cuda
+        lean, mega = (rolls[mode].generate(ps_, sampled) for mode in ("lean", "megatron"))
+        out[f"{dtype}_sampled_paths_equal"] = lean.responses() == mega.responses()
+        out[f"{dtype}_sampled_vs_trainer_logprobs"] = max_diff(
+            lean.response_logprobs(), [trainer_logprobs(model, p, r, sampled) for p, r in zip(ps_, lean.responses())])
+    (workdir / "gpu_results.json").write_text(json.dumps(out, indent=1))
+    distributed.shutdown()
