@@ -37,7 +37,7 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def setup(tp: int, pp: int):
+def setup(tp: int, pp: int, **fields):
     from aligner.models.gpt import build_gpt
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
@@ -45,6 +45,7 @@ def setup(tp: int, pp: int):
     distributed.init_model_parallel(tp, pp)
     seed_everything(1)
     m = model_config(tp, pp)
+    m.update(fields)
     return build_gpt(m, VOCAB), m
 
 
@@ -358,6 +359,12 @@ def phase_parallel(tag: str, tp: int, pp: int, out: dict, ref: dict) -> None:
     cut = [next((i + 1 for i, t in enumerate(r) if t == eos), len(r)) for r in ref["greedy"]]
     out[f"{tag}_eos_ok"] = roll.responses() == [r[:n] for r, n in zip(ref["greedy"], cut)]
     out.update(refit_checks(model, m, ps_, tag))
+    if tp > 1:  # a sequence-parallel training layout: switched off while generating, then restored
+        model, m = setup(tp, pp, sequence_parallel=True)
+        load_full_state(model, m, ref["state"])
+        for mode, e in engines(model, m, eos_id=None).items():
+            out[f"{tag}_sp_{mode}_greedy_equal"] = e.generate(ps_, greedy).responses() == ref["greedy"]
+        out[f"{tag}_sp_restored"] = model.config.sequence_parallel and model.embedding.scatter_to_sequence_parallel
 
 
 def main(argv: list[str]) -> None:

@@ -39,7 +39,8 @@ def _small(results, *keys):
 
 @pytest.mark.dist
 def test_greedy_matches_recompute_without_cache(results):
-    _true(results, *(f"{tag}_{mode}_greedy_equal" for tag in ("tp1", "tp2", "pp2") for mode in ("lean", "megatron")))
+    _true(results, *(f"{tag}_{mode}_greedy_equal" for tag in ("tp1", "tp2", "pp2", "tp2_sp")
+                     for mode in ("lean", "megatron")), "tp2_sp_restored")
     _small(results, "tp1_lean_greedy_vs_recompute_logprobs", "tp1_megatron_greedy_vs_recompute_logprobs",
            *(f"{tag}_{mode}_greedy_logprob_diff" for tag in ("tp2", "pp2") for mode in ("lean", "megatron")))
     assert results["tp1_decode_auto"] == "lean"
