@@ -1,10 +1,9 @@
-"""Train/inference mismatch metrics on hand-computed cases, and `aligner generate` argument handling."""
+"""Train/inference mismatch metrics on hand-computed cases."""
 import math
 
 import pytest
 import torch
 
-from aligner.generation.cli import UsageError, generate_main, parse_overrides
 from aligner.generation.mismatch import kl, token_prob_error, truncated_is_weights
 
 LN2 = math.log(2.0)
@@ -49,26 +48,3 @@ def test_truncated_importance_weights():
     assert not truncated_is_weights(trainer.requires_grad_(), engine, mask).requires_grad
     with pytest.raises(ValueError, match="level"):
         truncated_is_weights(trainer, engine, mask, "batch")
-
-
-def test_overrides_parse_and_reject_unknown_keys():
-    values = parse_overrides(["sampling.greedy=true", "sampling.top_k=5", "batch_size=4",
-                              "model.tensor_model_parallel_size=2", "launcher.nproc_per_node=2"])
-    assert values["sampling.greedy"] is True and values["sampling.top_k"] == 5 and values["batch_size"] == 4
-    assert values["sampling.temperature"] == 1.0  # default
-    with pytest.raises(UsageError, match="sampling.tempreature"):
-        parse_overrides(["sampling.tempreature=0.5"])
-    with pytest.raises(UsageError, match="not a multiple"):
-        parse_overrides(["model.tensor_model_parallel_size=2"])
-    with pytest.raises(UsageError, match="expected int"):
-        parse_overrides(["sampling.top_k=many"])
-
-
-def test_generate_main_reports_usage_errors(tmp_path, capsys):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2]}\n')
-    assert generate_main(["--model", str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
-                          "sampling.bogus=1"]) == 2
-    assert "unknown override 'sampling.bogus'" in capsys.readouterr().err
-    assert generate_main(["--model", str(tmp_path / "missing"), "--prompts", str(prompts), "--out", "o"]) == 2
-    assert "does not exist" in capsys.readouterr().err

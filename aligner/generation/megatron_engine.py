@@ -236,6 +236,8 @@ class MegatronEngine:
                     matched = strings.update(token.tolist(), on)
                     if matched:
                         stopped[matched] = True
+                if t == slots - 1:
+                    break
                 if strings is not None or (t - shortest) % self.sync_every == self.sync_every - 1:
                     finished = stopped if t < shortest + max_new - 1 else stopped | (last_slot <= t)
                     if bool(finished.all()):  # a host sync
