@@ -117,9 +117,9 @@ def run_model(name: str, batches: list[int], repeats: int, decode: str, threads:
 
         def theirs():
             with torch.inference_mode():
-                out = hf.generate(hf_prompts, attention_mask=torch.ones_like(hf_prompts), do_sample=True, temperature=1.0,
-                                  top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                  use_cache=True, pad_token_id=0, eos_token_id=EOS)
+                out = hf.generate(hf_prompts, attention_mask=torch.ones_like(hf_prompts), do_sample=True,
+                                  temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS,
+                                  min_new_tokens=NEW_TOKENS, use_cache=True, pad_token_id=0, eos_token_id=EOS)
             assert out.shape[1] == PROMPT_LEN + NEW_TOKENS
             if torch.cuda.is_available():
                 torch.cuda.synchronize()

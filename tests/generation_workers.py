@@ -351,7 +351,8 @@ def phase_parallel(tag: str, tp: int, pp: int, out: dict, ref: dict) -> None:
         out[f"{tag}_{mode}_sampled_logprob_diff"] = max_diff(roll.response_logprobs(), ref["sampled_logprobs"])
         if pp == 1:  # trainer-side log-probs from this layout's own vocab-parallel logits
             out[f"{tag}_{mode}_sampled_vs_trainer_logprobs"] = max_diff(
-                roll.response_logprobs(), [trainer_logprobs(model, p, r, sampled) for p, r in zip(ps_, roll.responses())])
+                roll.response_logprobs(),
+                [trainer_logprobs(model, p, r, sampled) for p, r in zip(ps_, roll.responses())])
     eos = ref["greedy"][0][2]
     from aligner.generation.megatron_engine import MegatronEngine
 
