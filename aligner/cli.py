@@ -1,6 +1,7 @@
 """`aligner <command> ...`: the single entry point.
 
-    aligner train sft [hydra overrides]           train (config: conf/sft.yaml)
+    aligner train sft [hydra overrides]           train (config: conf/sft.yaml; also: rm)
+    aligner serve reward|critic|verifier [overrides]  PyTriton server (conf/serve_<kind>.yaml)
     aligner convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N]
     aligner convert mcore-to-hf --ckpt DIR --out DIR [--dtype bfloat16]
     aligner logprobs --model DIR --data FILE.jsonl --out FILE.jsonl [--tp N --pp N]
@@ -112,6 +113,56 @@ def generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+SERVERS = {"reward": "aligner.servers.reward_server", "critic": "aligner.servers.critic_server",
+           "verifier": "aligner.servers.verifier_server"}
+
+
+def serve(argv: list[str]) -> int:
+    """`aligner serve <kind> [overrides]`: one process, or the launcher's ranks for a parallel model.
+    Runs until SIGTERM/SIGINT."""
+    import importlib
+
+    from omegaconf import OmegaConf
+
+    from aligner.config import ConfigError
+    from aligner.launch.local import RankFailed, launch
+
+    if not argv or argv[0] not in SERVERS:
+        print(f"usage: aligner serve <{'|'.join(SERVERS)}> [overrides]", file=sys.stderr)
+        return 2
+    kind, overrides = argv[0], argv[1:]
+    try:
+        from aligner.servers.config import load_serve_config
+
+        cfg = load_serve_config(kind, overrides)
+    except ConfigError as e:
+        print(f"aligner serve {kind}: {e}", file=sys.stderr)
+        return 2
+    from aligner.servers.triton import check_ports_free, ports
+
+    try:  # fail before loading a model; serving checks again
+        check_ports_free(cfg.server.host, ports(cfg.server))
+    except OSError as e:
+        print(f"aligner serve {kind}: {e}", file=sys.stderr)
+        return 1
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+    nproc = cfg.launcher.nproc_per_node if "launcher" in cfg else 1
+    if _under_external_launcher() or nproc == 1:
+        importlib.import_module(SERVERS[kind]).run(cfg)
+        return 0
+    try:
+        launch(f"{SERVERS[kind]}:main", [str(run_dir / "config.yaml")], nproc, run_dir / "logs",
+               cfg.launcher.master_port, cfg.launcher.threads_per_rank)
+    except RankFailed as e:
+        print(f"aligner serve {kind}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # SIGTERM/SIGINT: the launcher has stopped the ranks
+        return 0
+    return 0
+
+
 def doctor(argv: list[str]) -> int:
     import torch
 
@@ -137,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"usage: aligner train <{'|'.join(TRAINERS)}> [overrides]", file=sys.stderr)
             return 2
         return train(rest[0], rest[1:])
-    handlers = {"convert": convert, "logprobs": logprobs, "generate": generate, "doctor": doctor}
+    handlers = {"convert": convert, "logprobs": logprobs, "generate": generate, "serve": serve, "doctor": doctor}
     if command not in handlers:
         print(f"aligner: unknown command '{command}'\n{__doc__}", file=sys.stderr)
         return 2

@@ -190,20 +190,30 @@ def import_rank(hf_dir, out_dir, params_dtype: str = "", *, tp: int, pp: int) ->
         fields["params_dtype"] = params_dtype
     cfg = _model_config(fields, tp, pp)
     vocab = fields["vocab_size"]
+    reader, offset, tp_rank = SafetensorsReader(hf_dir), layer_offset(cfg), ps.get_tensor_model_parallel_rank()
+    # a *ForSequenceClassification reward model: its `score` head becomes our (replicated) scalar head
+    score = reader.get("score.weight").shape[0] if hw.hf_architecture(hf_config) in hw.SEQUENCE_CLASSIFICATION else 0
     seed_everything(0)  # initial values are overwritten; megatron still needs its RNG tracker seeded
     model = build_gpt(cfg, vocab)
-    g = hw.Geometry.of(cfg, vocab)
-    reader, offset, tp_rank = SafetensorsReader(hf_dir), layer_offset(cfg), ps.get_tensor_model_parallel_rank()
+    if score:
+        from aligner.models.heads import attach_scalar_head
+
+        attach_scalar_head(model, score)
+    g = hw.Geometry.of(cfg, vocab, score_outputs=score)
     for name, param in model.named_parameters():
         canonical = hw.canonical_name(name, offset)
         full = hw.from_hf(canonical, reader.get, g)
-        param.copy_(hw.shard(canonical, full, tp, tp_rank))
+        param.copy_(full if score and canonical == "output_layer.weight" else hw.shard(canonical, full, tp, tp_rank))
     generation = Path(hf_dir) / "generation_config.json"
     extra = {"hf": {"architecture": hw.hf_architecture(hf_config), "config": hf_config,
                     "generation_config": json.loads(generation.read_text()) if generation.exists() else None}}
+    if score:
+        labels = [str(v) for _, v in sorted((hf_config.get("id2label") or {}).items(), key=lambda kv: int(kv[0]))]
+        named = len(labels) == score and labels != [f"LABEL_{i}" for i in range(score)]
+        extra["scalar_head"] = {"num_outputs": score, "attributes": labels if named else None, "loss": None}
     tokenizer = TokenizerFiles(hf_dir)
-    save_checkpoint(out_dir, model, cfg, vocab, head="lm", tokenizer=tokenizer if tokenizer.files else None,
-                    extra_meta=extra)
+    save_checkpoint(out_dir, model, cfg, vocab, head="reward" if score else "lm",
+                    tokenizer=tokenizer if tokenizer.files else None, extra_meta=extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,8 +227,14 @@ def mcore_to_hf(ckpt_dir, out_dir, dtype: str | None = None, *, tp: int = 1, pp:
     from aligner.models.checkpoint import read_metadata
 
     meta = read_metadata(ckpt_dir)
+    if meta.get("head", "lm") == "reward":
+        if tp * pp != 1:
+            raise ValueError("reward models export on one rank (tp=pp=1)")
+        out = _fresh_output_dir(out_dir)
+        run_ranks("aligner.models.hf_convert:_export_reward_main", [str(ckpt_dir), str(out), dtype or "", "1", "1"], 1)
+        return out
     if meta.get("head", "lm") != "lm":
-        raise ValueError(f"{ckpt_dir} has a '{meta['head']}' head; only language-model checkpoints export to HF")
+        raise ValueError(f"{ckpt_dir} has a '{meta['head']}' head; only language and reward models export to HF")
     out = _fresh_output_dir(out_dir)
     run_ranks("aligner.models.hf_convert:_export_main",
          [str(ckpt_dir), str(out), dtype or "", str(max_shard_bytes), str(tp), str(pp)], tp * pp)
@@ -252,6 +268,47 @@ def export_rank(ckpt_dir, out_dir, dtype: str = "", max_shard_bytes: str | int =
     hf = read_metadata(ckpt_dir).get("hf") or {}
     config = hw.hf_config_from_model(cfg, vocab, hf.get("architecture"), dtype, base=hf.get("config"))
     write_hf_dir(out_dir, config, buckets, Path(ckpt_dir) / "tokenizer", hf.get("generation_config"))
+
+
+def _export_reward_main(argv: list[str], initialised: bool = False) -> None:
+    rank_main(argv, initialised, export_reward_rank)
+
+
+@torch.no_grad()
+def export_reward_rank(ckpt_dir, out_dir, dtype: str = "", *, tp: int, pp: int) -> None:
+    """A reward checkpoint as `<Llama|Qwen2|Mistral>ForSequenceClassification`, on one rank.
+    Hugging Face reads the reward at the last token that is not `pad_token_id`, we at the last real
+    token: the two agree unless the pad token is also the token a scored sequence ends with."""
+    from aligner.algorithms.reward_model import head_outputs
+    from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata
+    from aligner.models.gpt import build_gpt
+    from aligner.models.heads import attach_scalar_head
+    from aligner.models.weight_stream import as_dtype
+    from aligner.runtime.seeding import seed_everything
+
+    cfg, vocab = model_config_from_checkpoint(ckpt_dir)
+    outputs = head_outputs(ckpt_dir)
+    seed_everything(0)
+    model = attach_scalar_head(build_gpt(cfg, vocab), outputs)
+    load_weights(ckpt_dir, model)
+    g = hw.Geometry.of(cfg, vocab, score_outputs=outputs)
+    dtype = dtype or cfg.params_dtype
+    state = hw.mcore_to_hf_state({hw.canonical_name(n): p.detach() for n, p in model.named_parameters()}, g)
+    state = {name: t.to(as_dtype(dtype)) for name, t in state.items()}
+    meta = read_metadata(ckpt_dir)
+    hf = meta.get("hf") or {}
+    causal = hw.SEQUENCE_CLASSIFICATION.get(hf.get("architecture"), hf.get("architecture"))
+    config = hw.hf_config_from_model(cfg, vocab, causal, dtype, base=hf.get("config"))
+    labels = (meta.get("scalar_head") or {}).get("attributes") or [f"LABEL_{i}" for i in range(outputs)]
+    config.update(architectures=[{v: k for k, v in hw.SEQUENCE_CLASSIFICATION.items()}[config["architectures"][0]]],
+                  id2label={str(i): label for i, label in enumerate(labels)},
+                  label2id={label: i for i, label in enumerate(labels)})
+    tokenizer_dir = Path(ckpt_dir) / "tokenizer"
+    if config.get("pad_token_id") is None and tokenizer_dir.is_dir():  # HF needs it for batches of > 1
+        from aligner.data.tokenizer import load_tokenizer
+
+        config["pad_token_id"] = load_tokenizer(tokenizer_dir).pad_token_id
+    write_hf_dir(out_dir, config, [state], tokenizer_dir, hf.get("generation_config"))
 
 
 def write_hf_dir(out_dir, config: dict, buckets, tokenizer_dir=None, generation_config: dict | None = None) -> Path:

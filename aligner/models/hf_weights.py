@@ -29,6 +29,11 @@ import torch
 from aligner.models.gpt import padded_vocab_size
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+# Reward models: the same backbone with a `score` head [num_labels, hidden] instead of `lm_head`
+# (megatron side: `aligner.models.heads.ScalarHead`, replicated over TP, never vocab-padded).
+SEQUENCE_CLASSIFICATION = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                           "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                           "MistralForSequenceClassification": "MistralForCausalLM"}
 # Megatron's RotaryEmbedding._apply_scaling (llama3 rope) takes only `factor` from us; the rest are
 # its fixed defaults, which an HF config must match (tests/test_hf_weights.py checks these against megatron).
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -43,9 +48,9 @@ class UnsupportedModelError(ValueError):
 # ---------------------------------------------------------------------------------------------
 def hf_architecture(hf_config: dict) -> str:
     archs = hf_config.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    if len(archs) != 1 or archs[0] not in {**ARCHITECTURES, **SEQUENCE_CLASSIFICATION}:
         raise UnsupportedModelError(f"unsupported Hugging Face architecture {archs or hf_config.get('model_type')}; "
-                                    f"supported: {', '.join(ARCHITECTURES)}")
+                                    f"supported: {', '.join([*ARCHITECTURES, *SEQUENCE_CLASSIFICATION])}")
     return archs[0]
 
 
@@ -108,6 +113,7 @@ def _rope_scaling_factor(hf_config: dict) -> float | None:
 def model_fields_from_hf(hf_config: dict) -> dict:
     """ModelConfig fields (architecture only, no parallel layout) for an HF config.json dict."""
     arch = hf_architecture(hf_config)
+    arch = SEQUENCE_CLASSIFICATION.get(arch, arch)  # the backbone's rules
     _check_supported(hf_config, arch)
     heads = hf_config["num_attention_heads"]
     theta, _, _ = _rope(hf_config)
@@ -196,15 +202,17 @@ class Geometry:
     num_layers: int
     tied: bool
     qkv_bias: bool
+    score_outputs: int = 0  # > 0: output_layer is a scalar head <-> HF `score.weight` [score_outputs, hidden]
 
     @classmethod
-    def of(cls, m, vocab_size: int, tp: int | None = None) -> "Geometry":
+    def of(cls, m, vocab_size: int, tp: int | None = None, score_outputs: int = 0) -> "Geometry":
         """For ModelConfig `m`; `tp` (default m's own TP size) sets the vocab padding."""
         tp = m.tensor_model_parallel_size if tp is None else tp
         return cls(hidden=m.hidden_size, heads=m.num_attention_heads, groups=m.num_query_groups or m.num_attention_heads,
                    head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads, ffn=m.ffn_hidden_size,
                    vocab=vocab_size, padded_vocab=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp),
-                   num_layers=m.num_layers, tied=bool(m.tie_embeddings), qkv_bias=bool(m.add_qkv_bias))
+                   num_layers=m.num_layers, tied=bool(m.tie_embeddings), qkv_bias=bool(m.add_qkv_bias),
+                   score_outputs=score_outputs)
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -252,7 +260,7 @@ def mcore_names(g: Geometry, layers: Iterable[int] | None = None, embedding: boo
                 names.append(f"decoder.layers.{i}.{suffix}")
     if head:
         names.append("decoder.final_layernorm.weight")
-        if not g.tied:
+        if not g.tied or g.score_outputs:
             names.append("output_layer.weight")
     return names
 
@@ -263,6 +271,8 @@ def hf_names(name: str, g: Geometry) -> tuple[str, ...]:
     if layer is not None:
         index, suffix = layer
         return tuple(f"model.layers.{index}.{s}" for s in _LAYER_MAP[suffix])
+    if name == "output_layer.weight" and g.score_outputs:
+        return ("score.weight",)
     if name == "output_layer.weight" and g.tied:
         return ("model.embed_tokens.weight",)
     return (_GLOBAL_MAP[name],)
@@ -271,6 +281,8 @@ def hf_names(name: str, g: Geometry) -> tuple[str, ...]:
 def full_shape(name: str, g: Geometry) -> tuple[int, ...]:
     """Shape of a canonical megatron parameter at TP=1 (vocab padded to g.padded_vocab)."""
     suffix = _split_layer(name)[1] if _split_layer(name) else name
+    if name == "output_layer.weight" and g.score_outputs:
+        return (g.score_outputs, g.hidden)
     qkv_rows = (g.heads + 2 * g.groups) * g.head_dim
     return {"input_layernorm.weight": (g.hidden,), "pre_mlp_layernorm.weight": (g.hidden,),
             "self_attention.linear_qkv.weight": (qkv_rows, g.hidden), "self_attention.linear_qkv.bias": (qkv_rows,),
@@ -297,7 +309,7 @@ def from_hf(name: str, get: Callable[[str], torch.Tensor], g: Geometry) -> torch
     """Full megatron tensor for canonical `name`; `get(hf_name)` returns an HF tensor (lazily, so a
     caller can read only what it needs from safetensors files)."""
     parts = [get(n) for n in hf_names(name, g)]
-    kind = _kind(name)
+    kind = "copy" if name == "output_layer.weight" and g.score_outputs else _kind(name)
     if kind == "qkv":
         q, k, v = parts
         per_group = g.heads // g.groups * g.head_dim
@@ -320,8 +332,8 @@ def from_hf(name: str, get: Callable[[str], torch.Tensor], g: Geometry) -> torch
 def to_hf(name: str, tensor: torch.Tensor, g: Geometry) -> dict[str, torch.Tensor]:
     """HF tensors (each owning its storage) for one full megatron tensor; {} for a tied output layer."""
     names = hf_names(name, g)
-    kind = _kind(name)
-    if name == "output_layer.weight" and g.tied:
+    kind = "copy" if name == "output_layer.weight" and g.score_outputs else _kind(name)
+    if name == "output_layer.weight" and g.tied and not g.score_outputs:
         return {}
     if kind == "qkv":
         per_group = g.heads // g.groups * g.head_dim

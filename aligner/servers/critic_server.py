@@ -1,0 +1,296 @@
+"""`aligner serve critic checkpoint=DIR [reward_checkpoint=RM] [server.port=P ...]`: the PPO critic.
+
+Endpoints (`protocol`):
+* `critic_infer`: per-token values [B, S] (plus the co-hosted reward model's rewards);
+* `critic_train`: the clipped value loss on the received returns; the request's rows are cut into
+  `trainer.global_batch_size`-row optimizer steps (the last one padded with masked rows), repeated
+  for `trainer.epochs`; replies the mean loss over those steps;
+* `critic_save`: a checkpoint under `<run_dir>/checkpoints/step_<N>` (weights, optimizer, LR
+  schedule); a restarted server resumes from the latest one;
+* `reward_model` when `reward_checkpoint` is set: the reward model shares the critic's device
+  memory; its weights live on the CPU and are swapped in when needed (it must have the critic's
+  architecture, which holds when the critic was initialised from it).
+One lock serialises every endpoint, since they share the weights. The critic starts from
+`checkpoint`: a reward model (all weights when its head has one output), a language model (the
+head starts fresh) or a critic.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from aligner.servers.common import RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
+    max_length, run_job, split_outputs
+from aligner.servers.engine import REWARD, SAVE, TRAIN, VALUES, Broadcaster, build_scalar_model, forward_rows, \
+    last_token_head, on_device, token_values_head
+
+log = logging.getLogger(__name__)
+ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "kv_channels", "add_qkv_bias", "tie_embeddings")
+
+
+def clipped_value_loss(values, prev_values, returns, mask, clip: float):
+    """PPO value loss (Schulman et al. 2017, as in OpenAI baselines / NeMo-Aligner): with
+    V_clip = V_old + clamp(V - V_old, -clip, clip), loss_t = 1/2 max((V - R)^2, (V_clip - R)^2).
+    All [b, s]; returns (sum over masked tokens, masked token count, report sums)."""
+    clipped = prev_values + (values - prev_values).clamp(-clip, clip)
+    unclipped_error, clipped_error = (values - returns).pow(2), (clipped - returns).pow(2)
+    loss = (0.5 * torch.maximum(unclipped_error, clipped_error) * mask).sum()
+    report = {"loss": loss.detach(), "clip_fraction": ((clipped_error > unclipped_error).float() * mask).sum()}
+    return loss, mask.sum(), report
+
+
+def _backbone(model):
+    from aligner.models.checkpoint import unwrap
+
+    return [(n, p) for n, p in unwrap(model).named_parameters() if not n.startswith("output_layer.")]
+
+
+class Critic:
+    """The critic (and optionally a co-hosted reward model) on every rank; methods are collective."""
+
+    def __init__(self, cfg):
+        from aligner.algorithms.reward_model import load_pretrained
+        from aligner.models import checkpoint
+        from aligner.models.training import wrap_for_training
+
+        self.cfg = cfg
+        self.checkpoints = Path(cfg.run_dir) / "checkpoints"
+        latest = checkpoint.latest_checkpoint(self.checkpoints)
+        source = latest or cfg.checkpoint
+        if source is None:
+            raise ValueError("the critic needs initial weights: set checkpoint=DIR (a reward, language-model or "
+                             f"critic checkpoint), or resume from {self.checkpoints}")
+        gpt, self.model_cfg, self.vocab_size = build_scalar_model(source, cfg.parallel, 1)
+        self.inner = gpt
+        self.model, self.optimizer, self.scheduler = wrap_for_training(gpt, self.model_cfg, cfg.optim)
+        self.value_head = gpt.output_layer if gpt.post_process else None
+        self.reward = None
+        if cfg.reward_checkpoint:
+            self._stash_reward_model(cfg.reward_checkpoint, source)
+        self.step = 0
+        if latest is not None:
+            state, _ = checkpoint.load_training_state(latest, self.model, self.optimizer)
+            self.step = state["step"]
+            self.scheduler.load_state_dict(state["scheduler"])
+            log.info("critic resumed from %s at step %d", latest, self.step)
+        else:
+            load_pretrained(cfg.checkpoint, self.model, 1)
+            log.info("critic initialised from %s", cfg.checkpoint)
+        self.model.eval()
+        self.resident = "critic"
+        self._critic_store = None
+
+    # ---- weight swap -----------------------------------------------------------------------------------
+    def _stash_reward_model(self, path, critic_source) -> None:
+        """Load the reward model through the critic's own parameters, keep its weights on the CPU."""
+        from aligner.algorithms.reward_model import head_outputs, load_pretrained
+        from aligner.models.checkpoint import read_metadata
+        from aligner.models.heads import ScalarHead
+
+        mine, theirs = read_metadata(critic_source)["model"], read_metadata(path)["model"]
+        differ = [k for k in ARCHITECTURE_KEYS if mine.get(k) != theirs.get(k)]
+        if differ:
+            raise ValueError(f"reward_checkpoint={path} cannot share the critic's weights: "
+                             + ", ".join(f"{k} {theirs.get(k)} vs {mine.get(k)}" for k in differ)
+                             + "; serve it on its own with `aligner serve reward`")
+        outputs = head_outputs(path)
+        self.reward_head = ScalarHead(self.inner.config, outputs) if self.inner.post_process else None
+        if self.reward_head is not None:
+            if torch.cuda.is_available():
+                self.reward_head.cuda()
+            self.inner.output_layer = self.reward_head
+        load_pretrained(path, self.model, outputs)
+        pinned = torch.cuda.is_available()
+        self._reward_store = [p.detach().to("cpu", copy=True).pin_memory() if pinned else p.detach().to("cpu", copy=True)
+                              for _, p in _backbone(self.model)]
+        if self.value_head is not None:
+            self.inner.output_layer = self.value_head
+        self.reward_outputs = outputs
+        self.reward = True
+
+    @torch.no_grad()
+    def _use(self, which: str) -> None:
+        if self.resident == which:
+            return
+        params = [p for _, p in _backbone(self.model)]
+        if which == "reward":
+            if self._critic_store is None:
+                self._critic_store = [torch.empty_like(p, device="cpu", pin_memory=torch.cuda.is_available())
+                                      for p in params]
+            for p, saved in zip(params, self._critic_store):
+                saved.copy_(p, non_blocking=True)
+            source, head = self._reward_store, self.reward_head
+        else:
+            source, head = self._critic_store, self.value_head
+        for p, saved in zip(params, source):
+            p.copy_(saved, non_blocking=True)
+        if head is not None:
+            self.inner.output_layer = head
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.resident = which
+
+    # ---- collective operations ------------------------------------------------------------------------
+    def values(self, tokens, lengths):
+        self._use("critic")
+        return forward_rows(self.model, tokens, lengths, self.cfg.server.forward_micro_batch_size, token_values_head,
+                            (tokens.shape[1],))
+
+    def rewards(self, tokens, lengths):
+        self._use("reward")
+        return forward_rows(self.model, tokens, lengths, self.cfg.server.forward_micro_batch_size, last_token_head,
+                            (self.reward_outputs,))
+
+    def infer(self, tokens, lengths) -> tuple:
+        """(values, rewards or None); whichever model is resident runs first (one swap, not two)."""
+        if self.reward and self.resident == "reward":
+            rewards = self.rewards(tokens, lengths)
+            return self.values(tokens, lengths), rewards
+        values = self.values(tokens, lengths)
+        return values, (self.rewards(tokens, lengths) if self.reward else None)
+
+    def train(self, batch: dict) -> float:
+        """Optimizer steps on `batch` (tokens, returns, prev_values, mask); the mean loss per step."""
+        from megatron.core import parallel_state as ps
+
+        from aligner.algorithms.trainer import run_schedule
+
+        self._use("critic")
+        t = self.cfg.trainer
+        rows, width = batch["tokens"].shape
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        per_rank = t.global_batch_size // dp
+        positions = torch.arange(width, device=batch["tokens"].device)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb["tokens"], positions.expand(mb["tokens"].shape[0], -1), None)
+
+            def loss_func(values):
+                loss, count, report = clipped_value_loss(values[..., 0].float(), mb["prev_values"], mb["returns"],
+                                                         mb["mask"], t.loss_clip)
+                report = {k: v.detach().float() for k, v in report.items()}
+                report["count"] = count.detach().float()
+                return loss, count.int(), report
+
+            return output, loss_func
+
+        losses = []
+        self.model.train()
+        for _ in range(t.epochs):
+            for start in range(0, rows, t.global_batch_size):
+                chunk = {k: v[start:start + t.global_batch_size] for k, v in batch.items()}
+                short = t.global_batch_size - chunk["tokens"].shape[0]
+                if short:  # masked padding rows keep every step's shape (and the DP split) fixed
+                    chunk = {k: torch.cat([v, v.new_zeros((short, width))]) for k, v in chunk.items()}
+                mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in chunk.items()}
+                micro = [{k: v[i:i + t.micro_batch_size] for k, v in mine.items()}
+                         for i in range(0, per_rank, t.micro_batch_size)]
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                sums = run_schedule(self.model, forward_step, micro, width, forward_only=False)
+                self.scheduler.step(increment=1)
+                self.optimizer.step()
+                self.step += 1
+                losses.append(sums.get("loss", 0.0) / max(sums.get("count", 0.0), 1.0))
+        self.model.eval()
+        return float(np.mean(losses))
+
+    def save(self) -> int:
+        from aligner.models import checkpoint
+
+        self._use("critic")
+        state = {"step": self.step, "scheduler": self.scheduler.state_dict()}
+        path = checkpoint.save_checkpoint(self.checkpoints / f"step_{self.step:06d}", self.model, self.model_cfg,
+                                          self.vocab_size, optimizer=self.optimizer, trainer_state=state, head="value",
+                                          extra_meta={"scalar_head": {"num_outputs": 1, "attributes": None,
+                                                                      "loss": "clipped_value"}})
+        if torch.distributed.get_rank() == 0:
+            log.info("saved critic checkpoint %s", path)
+        return self.step
+
+
+def main(argv: list[str]) -> None:
+    from aligner.servers.config import load_resolved_serve_config
+
+    run(load_resolved_serve_config(argv[0], "critic"))
+
+
+def run(cfg) -> None:
+    from aligner.servers.protocol import CRITIC_SAVE, CRITIC_TRAIN, TRAIN_MAX_ROWS, check_float_like, \
+        critic_infer_endpoint, reward_endpoint
+    from aligner.servers.triton import Binding
+
+    init_job(cfg)
+    critic = Critic(cfg)
+    broadcaster, lock = Broadcaster(), threading.Lock()
+    handlers = {
+        VALUES: lambda t: critic.infer(t["tokens"], t["lengths"]),
+        REWARD: lambda t: critic.rewards(t["tokens"], t["lengths"]),
+        TRAIN: lambda t: critic.train(t),
+        SAVE: lambda t: critic.save(),
+    }
+
+    def bindings():
+        from aligner.servers.protocol import RequestError, check_tokens
+
+        longest = max_length(cfg, critic.model_cfg)
+        tokenizer = load_server_tokenizer(cfg.tokenizer, cfg.reward_checkpoint or cfg.checkpoint)
+        reader = RequestReader(cfg.server.max_batch_size, longest, critic.vocab_size, tokenizer)
+        output = RewardOutput(cfg.reward, critic.reward_outputs) if critic.reward else None
+
+        def infer(requests):
+            tokens, lengths, counts = reader.token_batch(requests)
+            with lock, on_device():
+                sent = broadcaster.send(VALUES, as_tensors(tokens=tokens, lengths=lengths))
+                values, rewards = critic.infer(sent["tokens"], sent["lengths"])
+            outputs = {"values": values.cpu().numpy().astype(np.float32)}
+            if rewards is not None:
+                outputs["rewards"] = output(rewards.cpu().numpy())
+            # rows keep the width of the merged call; each request gets back its own width
+            return [{k: (v[:, :requests[i]["tokens"].shape[1]] if k == "values" else v) for k, v in out.items()}
+                    for i, out in enumerate(split_outputs(outputs, counts))]
+
+        def reward_infer(requests):
+            tokens, lengths, counts = reader.token_batch(requests)
+            with lock, on_device():
+                sent = broadcaster.send(REWARD, as_tensors(tokens=tokens, lengths=lengths))
+                rewards = critic.rewards(sent["tokens"], sent["lengths"])
+            return split_outputs({"rewards": output(rewards.cpu().numpy())}, counts)
+
+        def train(requests):
+            (request,) = requests
+            tokens = request.get("tokens")
+            if tokens is None or np.asarray(tokens).ndim != 2:
+                raise RequestError("input 'tokens' must be int64 [batch, length]")
+            lengths = np.full((tokens.shape[0], 1), tokens.shape[1], dtype=np.int64)
+            tokens, _ = check_tokens({"tokens": tokens, "sequence_lengths": lengths}, max_rows=TRAIN_MAX_ROWS,
+                                     max_length=longest, vocab_size=critic.vocab_size)
+            batch = {"tokens": tokens}
+            for spec in CRITIC_TRAIN.inputs[1:]:
+                batch[spec.name] = check_float_like(request, spec, tokens.shape)
+            if not batch["mask"].any():
+                raise RequestError("'mask' selects no token: nothing to train on")
+            with lock, on_device():
+                sent = broadcaster.send(TRAIN, as_tensors(**batch))
+                loss = critic.train(sent)
+            return [{"loss_mean": np.array([loss], dtype=np.float32)}]
+
+        def save(requests):
+            with lock, on_device():
+                broadcaster.send(SAVE)
+                step = critic.save()
+            return [{"step": np.array([step], dtype=np.int64)} for _ in requests]
+
+        result = [Binding(critic_infer_endpoint(output.num_outputs if output else 0), infer, cfg.server.max_batch_size),
+                  Binding(CRITIC_TRAIN, train, TRAIN_MAX_ROWS), Binding(CRITIC_SAVE, save, 1)]
+        if output is not None:
+            result.append(Binding(reward_endpoint(output.num_outputs), reward_infer, cfg.server.max_batch_size))
+        return result
+
+    run_job(cfg, bindings, handlers, broadcaster, lock)

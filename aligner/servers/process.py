@@ -1,0 +1,146 @@
+"""Start, await and stop an `aligner serve <kind>` process (tests, benchmarks, local launchers).
+
+Ready means all of: the process still runs; it wrote its ready file (after every model loaded);
+the pid in that file is the process or one of its descendants; every model answers its HTTP
+readiness URL. So a port clash never passes for readiness: the new server exits, and the server
+that holds the port is not ours. Stopping sends SIGTERM to the process (the server finishes
+in-flight requests, the launcher forwards the signal to its ranks), then SIGKILL to whatever of its
+process tree is left after the grace period; only processes of that tree are ever signalled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from aligner.servers.client import EndpointClient
+
+MODELS = {"reward": ("reward_model",), "critic": ("critic_infer", "critic_train", "critic_save"),
+          "verifier": ("verifier",)}
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    def __init__(self, kind: str, overrides: list[str], run_dir, *, port: int, host: str = "127.0.0.1",
+                 env: dict | None = None):
+        self.kind, self.host, self.port, self.overrides = kind, host, port, list(overrides)
+        self.run_dir = Path(run_dir)
+        self.ready_file = self.run_dir / "ready.json"
+        self.log_path = self.run_dir / "server.log"
+        self.command = [sys.executable, "-m", "aligner.cli", "serve", kind, f"run_dir={self.run_dir}",
+                        f"server.host={host}", f"server.port={port}", f"server.ready_file={self.ready_file}", *overrides]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self._terminated = False
+        self.tree: set[int] = set()  # every pid seen in the server's process tree
+
+    def start(self) -> "ServerProcess":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ready_file.unlink(missing_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        self.tree = {self.proc.pid}
+        self._terminated = False
+        return self
+
+    def _descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def _remember_tree(self) -> None:
+        self.tree |= {p.pid for p in self._descendants()}
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout_s
+        models = MODELS[self.kind]
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"the {self.kind} server on {self.host}:{self.port} exited with code "
+                                   f"{self.proc.returncode} before it was ready:\n{self.log_tail()}")
+            self._remember_tree()
+            if self.ready_file.exists():
+                info = json.loads(self.ready_file.read_text())
+                ours = info["pid"] == self.proc.pid or info["pid"] in {p.pid for p in self._descendants()}
+                if ours and all(EndpointClient(self.host, self.port, m).is_ready() for m in info["models"]) \
+                        and set(models) <= set(info["models"]):
+                    self._remember_tree()
+                    return self
+            if time.monotonic() > deadline:
+                raise ServerFailed(f"the {self.kind} server on {self.host}:{self.port} was not ready after "
+                                   f"{timeout_s:g} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    @property
+    def serving_pid(self) -> int:
+        """The pid that hosts PyTriton (rank 0), from the ready file."""
+        return json.loads(self.ready_file.read_text())["pid"]
+
+    def alive(self) -> list[int]:
+        """Pids of the server's tree that still run (zombies excluded)."""
+        running = []
+        for pid in self.tree:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    running.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return running
+
+    def kill(self) -> None:
+        """SIGKILL the whole server tree at once (a crash)."""
+        self._remember_tree()
+        for pid in self.alive():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def terminate(self) -> None:
+        """SIGTERM (once) without waiting: stop several servers at once, then `stop` each."""
+        if self.proc is not None and self.proc.poll() is None and not self._terminated:
+            self._remember_tree()
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL what is left of the tree. Returns the exit code."""
+        if self.proc is None:
+            return None
+        self._remember_tree()
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 10
+        while self.alive() and time.monotonic() < deadline:  # stubs and tritonserver wind down after their parent
+            time.sleep(0.2)
+        if self.alive():
+            self.kill()
+        return self.proc.wait()
+
+    def __enter__(self):
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,142 @@
+"""The PyTriton adapter: the one server-side module that imports pytriton.
+
+`serve` binds endpoints (`protocol.Endpoint`) to Python callables and runs until SIGTERM/SIGINT:
+* HTTP on `server.port`, gRPC on port + 1 and metrics on port + 2 unless set, all bound to
+  `server.host` (127.0.0.1 by default; PyTriton's own default is 0.0.0.0);
+* the ports are checked free first (a clash would otherwise let PyTriton's start-up talk to the
+  other server), tritonserver's log goes to `server.log_file`, and in-flight requests get
+  `server.exit_timeout_s` to finish when stopping;
+* the workspace is a fresh temporary directory, removed on exit;
+* once every model answers, a ready file (JSON: pid, url, models) is written atomically; launchers
+  wait for it *and* for the process to be alive (see `process.ServerProcess`).
+A callable receives the list of requests of one merged call (dicts of numpy arrays) and returns one
+dict of outputs per request. An exception fails that call with its message; the server keeps serving.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sysconfig
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from aligner.servers.protocol import Endpoint
+
+log = logging.getLogger(__name__)
+
+
+def fix_libpython() -> None:
+    """Put this interpreter's shared libpython first on LD_LIBRARY_PATH, before tritonserver starts.
+
+    PyTriton's Python-backend stub links `libpython3.X.so.1.0`; without this the dynamic linker may
+    pick the system's libpython of another patch release, which then runs this interpreter's
+    stdlib and every model fails to load (`'_thread.RLock' object has no attribute
+    '_recursion_count'`, pytriton#51). tritonserver inherits os.environ, so setting it here is enough."""
+    libdir, library = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY") or ""
+    if not (sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir and (Path(libdir) / library).exists()):
+        raise RuntimeError(f"this Python ({sysconfig.get_config_var('prefix')}) has no shared libpython, which "
+                           "PyTriton's backend needs; use a Python built with --enable-shared (pyenv: "
+                           "PYTHON_CONFIGURE_OPTS=--enable-shared) or the distribution's python3")
+    parts = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p and p != libdir]
+    os.environ["LD_LIBRARY_PATH"] = ":".join([libdir, *parts])
+
+
+def ports(server) -> tuple[int, int, int]:
+    """(HTTP, gRPC, metrics) ports of a ServerConfig."""
+    return (server.port, server.grpc_port if server.grpc_port is not None else server.port + 1,
+            server.metrics_port if server.metrics_port is not None else server.port + 2)
+
+
+def check_ports_free(host: str, numbers) -> None:
+    for port in numbers:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise OSError(f"port {port} on {host} is not available ({e.strerror}); another server may be "
+                              f"using it: stop it or set server.port (HTTP P, gRPC P+1, metrics P+2)") from None
+
+
+@dataclass(frozen=True)
+class Binding:
+    endpoint: Endpoint
+    function: Callable[[list], list]  # requests -> one output dict per request
+    max_batch_size: int
+
+
+def _write_ready_file(path: Path, info: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(info))
+    os.replace(partial, path)
+
+
+def _tensors(specs):
+    from pytriton.model_config import Tensor
+
+    return [Tensor(name=s.name, dtype=s.dtype, shape=s.shape, optional=s.optional) for s in specs]
+
+
+def _plain_requests(function):
+    """PyTriton passes `Request` objects; our callables take plain dicts of numpy arrays."""
+    def call(requests):
+        return function([dict(r.items()) for r in requests])
+
+    return call
+
+
+def serve(server, run_dir, bindings: list[Binding], stop: threading.Event | None = None) -> None:
+    """Serve `bindings` until SIGTERM/SIGINT (or `stop` is set); blocks. Call from the main thread."""
+    fix_libpython()
+    from pytriton.model_config import DynamicBatcher, ModelConfig
+    from pytriton.triton import Triton, TritonConfig
+
+    logging.getLogger("pytriton").setLevel(logging.WARNING)
+    stop = stop or threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    http, grpc, metrics = ports(server)
+    check_ports_free(server.host, (http, grpc, metrics))
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_file = Path(server.log_file or run_dir / "tritonserver.log")
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    config = TritonConfig(http_address=server.host, grpc_address=server.host, metrics_address=server.host,
+                          http_port=http, grpc_port=grpc, metrics_port=metrics, log_file=log_file,
+                          exit_timeout_secs=server.exit_timeout_s)
+    scratch = Path(tempfile.mkdtemp(prefix="aligner-triton-"))
+    ready_file = Path(server.ready_file) if server.ready_file else None
+    triton = Triton(config=config, workspace=scratch / "workspace")
+    try:
+        for b in bindings:
+            batcher = DynamicBatcher(max_queue_delay_microseconds=server.max_queue_delay_us) if b.endpoint.batched else None
+            triton.bind(model_name=b.endpoint.name, infer_func=_plain_requests(b.function),
+                        inputs=_tensors(b.endpoint.inputs),
+                        outputs=_tensors(b.endpoint.outputs), strict=True,
+                        config=ModelConfig(batching=b.endpoint.batched, max_batch_size=b.max_batch_size,
+                                           batcher=batcher))
+        triton.run()
+        url = f"http://{server.host}:{http}"
+        models = [b.endpoint.name for b in bindings]
+        if ready_file:
+            _write_ready_file(ready_file, {"pid": os.getpid(), "url": url, "grpc_port": grpc, "metrics_port": metrics,
+                                           "models": models})
+        log.info("serving %s at %s (gRPC :%d, metrics :%d, log %s)", ", ".join(models), url, grpc, metrics, log_file)
+        while not stop.wait(0.5):
+            if not triton.is_alive():
+                raise RuntimeError(f"tritonserver stopped unexpectedly; see {log_file}")
+        log.info("stopping the server")
+    finally:
+        if ready_file:
+            ready_file.unlink(missing_ok=True)
+        triton.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

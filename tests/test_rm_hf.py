@@ -1,0 +1,130 @@
+"""Hugging Face reward models both ways: `LlamaForSequenceClassification` / `Qwen2ForSequenceClassification`
+(1 or several labels) import as aligner reward checkpoints whose scores equal transformers', at TP=1
+and TP=2, and our reward checkpoints export to that form and load back in transformers."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests import hf_workers as hfw  # noqa: E402
+
+PAD = 319  # a token id the test texts never produce
+TOL = 1e-4
+
+
+def make_hf_reward_model(kind: str, path, num_labels: int, seed: int, labels=None):
+    from transformers import AutoModelForSequenceClassification
+
+    extra = {"id2label": dict(enumerate(labels))} if labels else {}
+    config = hfw.hf_config(kind, num_labels=num_labels, pad_token_id=PAD, **extra)
+    config.architectures = [type(AutoModelForSequenceClassification.from_config(config)).__name__]
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    hfw.make_tokenizer(path)
+    return model
+
+
+def sequences(path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return [tokenizer(t)["input_ids"] + [1] for t in hfw.TEXTS]  # ends with eos (1), never with PAD
+
+
+def hf_scores(model, seqs) -> torch.Tensor:
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), PAD)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=(ids != PAD).long()).logits.float()
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    from aligner.models.hf_convert import hf_to_mcore
+
+    root = tmp_path_factory.mktemp("hf_rm")
+    llama = make_hf_reward_model("llama", root / "llama", 1, seed=1)
+    qwen = make_hf_reward_model("qwen2", root / "qwen", 3, seed=2, labels=["helpfulness", "correctness", "coherence"])
+    hf_to_mcore(root / "llama", root / "ck_llama")
+    hf_to_mcore(root / "qwen", root / "ck_qwen_tp2", tp=2)
+    return root, {"llama": llama, "qwen": qwen}
+
+
+def test_import_scores_match_transformers(imported):
+    from aligner.models.checkpoint import read_metadata
+    from aligner.servers.engine import score_checkpoint
+
+    root, models = imported
+    for name, ckpt in (("llama", "ck_llama"), ("qwen", "ck_qwen_tp2")):
+        meta = read_metadata(root / ckpt)
+        assert meta["head"] == "reward"
+        seqs = sequences(root / name)
+        ours, theirs = score_checkpoint(root / ckpt, seqs), hf_scores(models[name], seqs)
+        assert ours.shape == theirs.shape == (len(seqs), models[name].config.num_labels)
+        assert (ours - theirs).abs().max() < TOL, (name, ours, theirs)
+    assert read_metadata(root / "ck_qwen_tp2")["scalar_head"]["attributes"] == ["helpfulness", "correctness", "coherence"]
+    assert read_metadata(root / "ck_llama")["scalar_head"] == {"num_outputs": 1, "attributes": None, "loss": None}
+
+
+def test_export_loads_in_transformers(imported):
+    from transformers import AutoModelForSequenceClassification
+
+    from aligner.models.hf_convert import mcore_to_hf
+
+    root, models = imported
+    for name, ckpt in (("llama", "ck_llama"), ("qwen", "ck_qwen_tp2")):
+        out = mcore_to_hf(root / ckpt, root / f"export_{name}")
+        config = json.loads((out / "config.json").read_text())
+        assert config["architectures"] == [type(models[name]).__name__] and config["pad_token_id"] == PAD
+        reloaded = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+        seqs = sequences(root / name)
+        assert (hf_scores(reloaded, seqs) - hf_scores(models[name], seqs)).abs().max() < TOL
+        assert reloaded.config.id2label == models[name].config.id2label
+
+
+def test_trained_rm_exports_as_llama_sequence_classification(tiny_assets, tmp_path):
+    """A reward model of ours (tiny tokenizer, no HF metadata) exports with the tokenizer's pad id."""
+    from transformers import AutoModelForSequenceClassification
+
+    from aligner.config.schema import ModelConfig
+    from aligner.data.tokenizer import load_tokenizer
+    from aligner.models import checkpoint
+    from aligner.models.gpt import build_gpt
+    from aligner.models.heads import attach_scalar_head
+    from aligner.models.hf_convert import mcore_to_hf, single_process
+    from aligner.runtime.seeding import seed_everything
+    from aligner.servers.engine import score_checkpoint
+    from omegaconf import OmegaConf
+
+    tokenizer = load_tokenizer(tiny_assets / "tokenizer")
+    cfg = OmegaConf.structured(ModelConfig)
+    with single_process():
+        seed_everything(5)
+        model = attach_scalar_head(build_gpt(cfg, len(tokenizer)), 2)
+        checkpoint.save_checkpoint(tmp_path / "rm", model, cfg, len(tokenizer), head="reward", tokenizer=tokenizer,
+                                   extra_meta={"scalar_head": {"num_outputs": 2, "attributes": ["a", "b"], "loss": "regression"}})
+    out = mcore_to_hf(tmp_path / "rm", tmp_path / "hf")
+    hf = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.pad_token_id == tokenizer.pad_token_id
+    seqs = [tokenizer("What is 2+3? 5")["input_ids"] + [tokenizer.eos_token_id], [5, 6, 7, tokenizer.eos_token_id]]
+    width = max(map(len, seqs))
+    ids = torch.full((2, width), tokenizer.pad_token_id)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
+    assert (score_checkpoint(tmp_path / "rm", seqs) - theirs).abs().max() < TOL
+    with pytest.raises(ValueError, match="one rank"):
+        mcore_to_hf(tmp_path / "rm", tmp_path / "hf2", tp=2)
