@@ -1,0 +1,286 @@
+"""The PyTriton servers end to end, sharing session-scoped servers started together:
+a reward server at TP=1 and at TP=2, a critic co-hosting a 2-attribute reward model, a verifier.
+
+Scores served equal in-process scores of the same checkpoint; TP=2 equals TP=1; critic_train
+changes the values and critic_save reloads identically; bad requests get errors while the server
+keeps serving; a port clash is not mistaken for readiness; a server killed mid-traffic costs errors
+(never 0 rewards) and the same client works again once it is back; everything stops cleanly."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from tests.server_workers import free_port_block, make_reward_checkpoint, triton_scratch_dirs
+
+pytestmark = pytest.mark.dist
+WEIGHTS, MEAN, STD = [0.5, -1.0], 0.1, 2.0
+
+
+@pytest.fixture(scope="session")
+def world(tiny_assets, tmp_path_factory):
+    from aligner.data.synthetic import arithmetic_problems
+    from aligner.data.tokenizer import load_tokenizer
+    from aligner.servers.process import ServerProcess
+
+    root = tmp_path_factory.mktemp("servers")
+    scratch_before = triton_scratch_dirs()
+    tokenizer_dir = tiny_assets / "tokenizer"
+    rm1 = make_reward_checkpoint(root / "rm1", tokenizer_dir, 1, seed=1)
+    rm2 = make_reward_checkpoint(root / "rm2", tokenizer_dir, 2, seed=2, attributes=["helpfulness", "correctness"])
+    tokenizer = load_tokenizer(tokenizer_dir)
+    texts = [f"<|user|>What is {p['question'][:-1]}?<eos><|assistant|>{p['answer']}" + " and more" * (i % 7)
+             for i, p in enumerate(arithmetic_problems(40, seed=5))]
+    ports = {name: free_port_block() for name in ("reward", "reward_tp2", "critic", "verifier")}
+    servers = {
+        "reward": ServerProcess("reward", [f"checkpoint={rm1}", "server.max_batch_size=16"], root / "reward",
+                                port=ports["reward"]),
+        "reward_tp2": ServerProcess("reward", [f"checkpoint={rm1}", "parallel.tensor_model_parallel_size=2",
+                                               "launcher.nproc_per_node=2", "server.forward_micro_batch_size=3"],
+                                    root / "reward_tp2", port=ports["reward_tp2"]),
+        "critic": ServerProcess("critic", [f"checkpoint={rm1}", f"reward_checkpoint={rm2}",
+                                           f"reward.attribute_weights=[{WEIGHTS[0]},{WEIGHTS[1]}]",
+                                           "reward.standardize=true", f"reward.mean={MEAN}", f"reward.std={STD}",
+                                           "optim.lr=1e-4", "trainer.global_batch_size=16"],
+                                root / "critic", port=ports["critic"]),
+        "verifier": ServerProcess("verifier", [f"tokenizer={tokenizer_dir}"], root / "verifier", port=ports["verifier"]),
+    }
+    start = time.monotonic()
+    for server in servers.values():
+        server.start()
+    try:
+        for server in servers.values():
+            server.wait_ready(240)
+    except Exception:
+        for server in servers.values():
+            server.terminate()
+        for server in servers.values():
+            server.stop()
+        raise
+    print(f"4 servers ready in {time.monotonic() - start:.1f} s")
+    world = {"root": root, "rm1": rm1, "rm2": rm2, "tokenizer": tokenizer, "texts": texts,
+             "sequences": [tokenizer(t + "<eos>", add_special_tokens=False)["input_ids"] for t in texts],
+             "ports": ports, "servers": servers, "scratch_before": scratch_before, "leaked": set()}
+    yield world
+    for server in world["servers"].values():
+        server.terminate()
+    for server in world["servers"].values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(world):
+    from aligner.servers.engine import score_checkpoint
+
+    return {"rm1": score_checkpoint(world["rm1"], world["sequences"]).numpy(),
+            "rm2": score_checkpoint(world["rm2"], world["sequences"]).numpy()}
+
+
+def reward_client(world, name="reward", **kwargs):
+    from aligner.servers.client import RewardClient
+
+    return RewardClient(port=world["ports"][name], **{"max_rows": 16, **kwargs})
+
+
+# ---- scores -------------------------------------------------------------------------------------------
+def test_reward_server_equals_in_process_scores(world, reference):
+    with reward_client(world) as client:
+        futures = [client.score(world["sequences"]), client.score(texts=[t + "<eos>" for t in world["texts"]])]
+        tokens, texts = [f.result(timeout=60) for f in futures]
+    assert tokens.scored.all() and texts.scored.all()
+    diff = np.abs(tokens.values - reference["rm1"]).max()
+    print(f"reward server vs in-process: max |diff| {diff:.2e}")
+    assert diff < 1e-5
+    assert np.array_equal(texts.values, tokens.values)  # text is tokenized as in RM training
+
+
+def test_tp2_server_equals_tp1(world, reference):
+    with reward_client(world, "reward_tp2", max_rows=64) as client:
+        scores = client.score(world["sequences"]).result(timeout=60)
+    diff = np.abs(scores.values - reference["rm1"]).max()
+    print(f"TP=2 reward server vs TP=1 in-process: max |diff| {diff:.2e}")
+    assert scores.scored.all() and diff < 1e-4
+
+
+def test_concurrent_futures_come_back_in_order(world, reference):
+    with reward_client(world, max_rows=4, workers=8) as client:
+        futures = [client.score(world["sequences"][i:i + 5]) for i in range(0, 40, 5)]
+        values = np.concatenate([f.result(timeout=60).values for f in futures])
+    assert np.abs(values - reference["rm1"]).max() < 1e-5
+
+
+@pytest.mark.parametrize("inputs, reason", [
+    ({"tokens": np.zeros((1, 4), np.int32), "sequence_lengths": np.ones((1, 1), np.int64)}, "data-type is 'INT32'"),
+    ({"tokens": np.zeros((1, 300), np.int64), "sequence_lengths": np.ones((1, 1), np.int64)}, "max_seq_length=256"),
+    ({"tokens": np.zeros((65, 4), np.int64), "sequence_lengths": np.ones((65, 1), np.int64)}, "batch-size must be <= 64"),
+    ({"tokens": np.array([[5, 600, 7]]), "sequence_lengths": np.array([[3]])}, "token id 600 at tokens[0, 1]"),
+    ({"tokens": np.array([[5, 6, 7]]), "sequence_lengths": np.array([[4]])}, "sequence_lengths[0]=4 is outside"),
+    ({"tokens": np.array([[5, 6, 7]])}, "'sequence_lengths' is missing"),
+    ({"sentences": np.array([[b"\xff\xfe"]], dtype=object)}, "sentences[0] is not valid UTF-8"),
+], ids=["dtype", "too_long", "too_many_rows", "out_of_vocab", "bad_length", "missing_input", "bad_utf8"])
+def test_bad_requests_get_errors_and_the_server_keeps_serving(world, reference, inputs, reason):
+    from aligner.servers.client import CallFailed, EndpointClient
+
+    # the TP=2 server: a refused request must not leave the follower rank waiting mid-broadcast
+    endpoint = EndpointClient("127.0.0.1", world["ports"]["reward_tp2"], "reward_model", retries=0)
+    with pytest.raises(CallFailed) as failed:
+        endpoint.call(inputs)
+    assert failed.value.status == "error" and reason in failed.value.message, failed.value.message
+    good = endpoint.call({"tokens": np.array([world["sequences"][0]]),
+                          "sequence_lengths": np.array([[len(world["sequences"][0])]])})
+    assert abs(good["rewards"][0, 0] - reference["rm1"][0, 0]) < 1e-4
+
+
+def test_client_samples_without_tokens_are_errors_not_zeros(world):
+    with reward_client(world, max_rows=2) as client:
+        scores = client.score([[5, 6], [], [7, 8], [9]]).result(timeout=60)
+    assert scores.scored.tolist() == [True, False, True, True]
+    assert np.isnan(scores.values[~scores.scored]).all() and "no tokens" in next(iter(scores.failures.values()))
+
+
+# ---- critic -------------------------------------------------------------------------------------------
+def _served_rm2(raw):
+    return ((raw @ np.array(WEIGHTS, dtype=np.float32)[:, None]) - MEAN) / STD
+
+
+def test_critic_cohosts_the_reward_model(world, reference):
+    from aligner.servers.client import CriticClient
+
+    seqs = world["sequences"][:12]
+    with reward_client(world, "critic") as rewards, CriticClient(port=world["ports"]["critic"]) as critic:
+        before = critic.values(seqs).result(timeout=60)
+        served = rewards.score(seqs).result(timeout=60)
+        after = critic.values(seqs).result(timeout=60)  # the critic's weights came back intact
+    assert np.abs(served.values - _served_rm2(reference["rm2"][:12])).max() < 1e-5
+    assert all(np.array_equal(a.value, b.value) for a, b in zip(before.results, after.results))
+    # initialised from rm1 (one output, so its head too): the value at the last token is rm1's reward
+    last = np.array([r.value[-1] for r in before.results])
+    assert np.abs(last - reference["rm1"][:12, 0]).max() < 1e-5
+
+
+def test_critic_infer_also_returns_rewards(world, reference):
+    from aligner.servers.client import EndpointClient
+    from aligner.servers.protocol import pad_token_rows
+
+    tokens, lengths = pad_token_rows(world["sequences"][:5])
+    out = EndpointClient("127.0.0.1", world["ports"]["critic"], "critic_infer").call(
+        {"tokens": tokens, "sequence_lengths": lengths})
+    past_end = np.arange(tokens.shape[1])[None, :] >= lengths
+    assert out["values"].shape == tokens.shape and (out["values"][past_end] == 0).all()
+    assert np.abs(out["rewards"] - _served_rm2(reference["rm2"][:5])).max() < 1e-5
+
+
+def test_critic_train_changes_values_and_save_reloads_identically(world):
+    from aligner.servers.client import CriticClient
+    from aligner.servers.engine import score_checkpoint
+    from aligner.servers.protocol import pad_token_rows
+
+    seqs = world["sequences"][:24]
+    tokens, lengths = pad_token_rows(seqs)
+    mask = (np.arange(tokens.shape[1])[None, :] < lengths).astype(np.float32)
+    with CriticClient(port=world["ports"]["critic"]) as critic:
+        before = critic.values(seqs).result(timeout=60).padded(tokens.shape[1])
+        returns = np.nan_to_num(before) + 1.0
+        loss = critic.train(tokens, returns, np.nan_to_num(before), mask).result(timeout=120)
+        after = critic.values(seqs).result(timeout=60).padded(tokens.shape[1])
+        step = critic.save().result(timeout=120)
+    assert np.isfinite(loss) and loss > 0
+    moved = ((after - before)[mask > 0]).mean()
+    print(f"critic_train: loss {loss:.4f}, mean value change {moved:+.4f} towards returns (+1)")
+    assert moved > 0.01  # two optimizer steps (24 rows, global batch 16) towards the returns
+    assert step == 2
+    reloaded = score_checkpoint(world["root"] / "critic" / "checkpoints" / f"step_{step:06d}", seqs, per_token=True)
+    diff = np.abs(reloaded.numpy()[mask > 0] - after[mask > 0]).max()
+    print(f"saved critic reloaded in-process vs served: max |diff| {diff:.2e}")
+    assert diff < 1e-5
+
+
+def test_critic_train_rejects_mismatched_shapes(world):
+    from aligner.servers.client import CallFailed, CriticClient
+
+    with CriticClient(port=world["ports"]["critic"]) as critic:
+        tokens = np.ones((2, 5), np.int64)
+        with pytest.raises(CallFailed, match="'returns' must have shape"):
+            critic.train(tokens, np.zeros((2, 4)), np.zeros((2, 5)), np.ones((2, 5))).result(timeout=60)
+
+
+# ---- verifier -----------------------------------------------------------------------------------------
+def test_verifier_checks_arithmetic_answers(world):
+    from aligner.servers.client import RewardClient
+
+    responses = ["19", "The answer is 19.", "I think it is 18", "no idea", "12+7=19"]
+    with RewardClient(port=world["ports"]["verifier"], model="verifier") as verifier:
+        verifier.wait_ready(10)
+        by_text = verifier.score(texts=responses, answers=["19"] * 5).result(timeout=30)
+        ids = [world["tokenizer"](r, add_special_tokens=False)["input_ids"] for r in responses]
+        by_tokens = verifier.score(ids, answers=["19"] * 5).result(timeout=30)
+    assert by_text.values[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert np.array_equal(by_tokens.values, by_text.values)
+
+
+# ---- readiness, failures, shutdown ----------------------------------------------------------------------
+def test_port_clash_is_not_mistaken_for_readiness(world, tmp_path):
+    from aligner.servers.process import ServerFailed, ServerProcess
+
+    clash = ServerProcess("reward", [f"checkpoint={world['rm1']}"], tmp_path / "clash", port=world["ports"]["reward"])
+    with pytest.raises(ServerFailed, match="is not available"):
+        clash.start().wait_ready(60)
+    assert not clash.alive()
+
+
+def test_killed_server_costs_errors_not_zeros_and_the_client_reconnects(world, reference):
+    from aligner.servers.process import ServerProcess
+
+    server = world["servers"]["reward"]
+    victim = [p.cmdline() for p in psutil.Process(server.serving_pid).children() if "tritonserver" in p.name()]
+    world["leaked"] |= {arg.rsplit("/workspace", 1)[0] for cmd in victim for arg in cmd if "/aligner-triton-" in arg}
+    seqs = world["sequences"]
+    stop, futures = threading.Event(), []
+    with reward_client(world, max_rows=8, workers=4, retries=2, backoff_s=0.2) as client:
+        def traffic():  # an actor scoring batch after batch
+            while not stop.is_set():
+                futures.append(client.score(seqs))
+                futures[-1].result(timeout=120)
+
+        senders = [threading.Thread(target=traffic) for _ in range(2)]
+        for sender in senders:
+            sender.start()
+        time.sleep(1.0)
+        server.kill()  # the whole process tree, mid-traffic
+        time.sleep(0.5)
+        stop.set()
+        for sender in senders:
+            sender.join()
+        outcomes = [f.result(timeout=120) for f in futures]
+        for scores in outcomes:
+            ok = scores.scored
+            assert np.abs(scores.values[ok] - reference["rm1"][ok]).max(initial=0) < 1e-5  # scored means right
+            assert np.isnan(scores.values[~ok]).all()
+        failed = sum(int((~s.scored).sum()) for s in outcomes)
+        assert failed > 0 and all(s.results[i].status in ("error", "timeout") for s in outcomes
+                                  for i in np.flatnonzero(~s.scored))
+        print(f"kill: {len(outcomes)} batches in flight or after, {failed} samples reported unscored")
+        restarted = ServerProcess(server.kind, server.overrides, server.run_dir, port=server.port)
+        world["servers"]["reward"] = restarted.start().wait_ready(120)
+        again = client.score(seqs).result(timeout=60)  # the same client, new connections
+    assert again.scored.all() and np.abs(again.values - reference["rm1"]).max() < 1e-5
+
+
+def test_servers_stop_cleanly_and_leave_nothing_behind(world):
+    import shutil
+
+    start = time.monotonic()
+    for server in world["servers"].values():
+        server.terminate()  # all at once
+    for name, server in world["servers"].items():
+        code = server.stop()
+        print(f"{name}: stopped with code {code} after {time.monotonic() - start:.1f} s")
+        assert code == 0, server.log_tail()
+        assert not server.alive(), (name, server.alive())
+    leftovers = triton_scratch_dirs() - world["scratch_before"]
+    assert leftovers <= world["leaked"], leftovers - world["leaked"]  # only the SIGKILLed server's scratch
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
