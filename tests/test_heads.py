@@ -25,11 +25,12 @@ def test_reward_head_replaces_lm_head_and_round_trips(tmp_path):
     cfg = OmegaConf.structured(ModelConfig)
     cfg.tie_embeddings = True  # the head must get its own weight even when embeddings are tied
     model = attach_scalar_head(build_gpt(cfg, 300), num_outputs=3)
-    tokens = torch.randint(0, 300, (2, 10))
-    positions = torch.arange(10).expand(2, -1)
+    device = distributed.device()
+    tokens = torch.randint(0, 300, (2, 10), device=device)
+    positions = torch.arange(10, device=device).expand(2, -1)
     values = model(tokens, positions, None)
     assert values.shape == (2, 10, 3)
-    scores = last_token_scores(values, torch.tensor([7, 10]))
+    scores = last_token_scores(values, torch.tensor([7, 10], device=device))
     scores.sum().backward()
     assert model.output_layer.weight.grad.abs().sum() > 0
     assert model.embedding.word_embeddings.weight.grad.abs().sum() > 0
