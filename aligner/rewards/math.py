@@ -29,10 +29,10 @@ def last_number(text: str) -> str | None:
 
 
 def extract_answer(response: str) -> str | None:
-    """The last `\\boxed{...}` content when there is one, else the last number of the response."""
+    """The content of the last `\\boxed{...}` when there is one, else the last number of the response."""
     boxed = _BOXED.findall(response)
     if boxed:
-        return last_number(boxed[-1]) or boxed[-1].strip()
+        return boxed[-1].strip()
     return last_number(response)
 
 
@@ -45,11 +45,11 @@ def arithmetic_reward(response: str, answer: str) -> float:
 
 def math_reward(response: str, answer: str) -> float:
     """1.0 when the response's answer (`extract_answer`) equals the reference: as numbers when both
-    parse, else as whitespace-normalised strings."""
+    parse, else as strings with all whitespace removed."""
     found = extract_answer(response)
     if found is None:
         return 0.0
     a, b = parse_number(found), parse_number(answer)
     if a is not None and b is not None:
         return float(a == b)
-    return float(" ".join(found.split()) == " ".join(answer.split()))
+    return float("".join(found.split()) == "".join(answer.split()))

@@ -1,0 +1,161 @@
+"""Server pieces without a server: request checks, the served reward's post-processing, the math
+verifier, serve-config checks, and the CLI refusing a busy port before loading anything."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from aligner.servers import protocol
+from aligner.servers.protocol import RequestError
+
+
+# ---- protocol ------------------------------------------------------------------------------------------
+def test_check_tokens_zeroes_padding_and_flattens_lengths():
+    tokens, lengths = protocol.check_tokens({"tokens": np.array([[3, 4, 9], [5, 6, 7]]),
+                                             "sequence_lengths": np.array([[2], [3]])},
+                                            max_rows=4, max_length=8, vocab_size=10)
+    assert tokens.tolist() == [[3, 4, 0], [5, 6, 7]] and lengths.tolist() == [2, 3]
+    # ids past a row's length are ignored, even out of the vocabulary
+    protocol.check_tokens({"tokens": np.array([[3, 99]]), "sequence_lengths": np.array([[1]])},
+                          max_rows=4, max_length=8, vocab_size=10)
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"tokens": np.array([[1, 2]], dtype=np.int32), "sequence_lengths": np.array([[2]])}, "must be int64, got int32"),
+    ({"tokens": np.array([1, 2]), "sequence_lengths": np.array([[2]])}, "must have 2 dimensions"),
+    ({"tokens": np.ones((5, 2), np.int64), "sequence_lengths": np.ones((5, 1), np.int64)}, "5 rows, more than"),
+    ({"tokens": np.ones((1, 9), np.int64), "sequence_lengths": np.ones((1, 1), np.int64)}, "9 positions, more than"),
+    ({"tokens": np.array([[1, 2]]), "sequence_lengths": np.array([[0]])}, "sequence_lengths[0]=0 is outside [1, 2]"),
+    ({"tokens": np.array([[1, 2]]), "sequence_lengths": np.array([[2], [2]])}, "must have shape [1, 1]"),
+    ({"tokens": np.array([[1, -2]]), "sequence_lengths": np.array([[2]])}, "token id -2 at tokens[0, 1]"),
+    ({"sequence_lengths": np.array([[2]])}, "'tokens' is missing"),
+])
+def test_check_tokens_errors(inputs, message):
+    with pytest.raises(RequestError) as e:
+        protocol.check_tokens(inputs, max_rows=4, max_length=8, vocab_size=10)
+    assert message in str(e.value)
+
+
+def test_texts_round_trip_and_bad_utf8():
+    array = protocol.text_array(["héllo", "1+1=2"])
+    assert array.shape == (2, 1) and protocol.decode_texts({"sentences": array}, max_rows=4) == ["héllo", "1+1=2"]
+    with pytest.raises(RequestError, match=r"sentences\[0\] is not valid UTF-8"):
+        protocol.decode_texts({"sentences": np.array([[b"\xff"]], dtype=object)}, max_rows=4)
+    with pytest.raises(RequestError, match="must be bytes"):
+        protocol.decode_texts({"sentences": np.array([[1.0]])}, max_rows=4)
+
+
+def test_pad_token_rows():
+    tokens, lengths = protocol.pad_token_rows([[1, 2, 3], [4]], pad_to_multiple=4)
+    assert tokens.tolist() == [[1, 2, 3, 0], [4, 0, 0, 0]] and lengths.tolist() == [[3], [1]]
+
+
+def test_endpoints_keep_nemo_aligner_wire_names():
+    reward = protocol.reward_endpoint(3)
+    assert reward.name == "reward_model" and [t.name for t in reward.inputs] == ["tokens", "sequence_lengths", "sentences"]
+    assert reward.outputs[0].name == "rewards" and reward.outputs[0].shape == (3,) and reward.outputs[0].dtype is np.float32
+    assert reward.input("tokens").dtype is np.int64 and reward.input("sequence_lengths").shape == (1,)
+    assert [t.name for t in protocol.CRITIC_TRAIN.inputs] == ["tokens", "returns", "prev_values", "mask"]
+    assert not protocol.CRITIC_TRAIN.idempotent and not protocol.CRITIC_TRAIN.batched
+    assert [t.name for t in protocol.critic_infer_endpoint(1).outputs] == ["values", "rewards"]
+    assert protocol.CRITIC_SAVE.inputs[0].name == "dummy_var"
+
+
+# ---- served reward -------------------------------------------------------------------------------------
+def test_reward_output_weights_then_standardises():
+    from omegaconf import OmegaConf
+
+    from aligner.config.schema import RewardOutputConfig
+    from aligner.servers.common import RewardOutput
+
+    cfg = OmegaConf.structured(RewardOutputConfig(attribute_weights=[1.0, 0.5], standardize=True, mean=1.0, std=2.0))
+    output = RewardOutput(cfg, 2)
+    assert output.num_outputs == 1
+    assert output(np.array([[2.0, 4.0], [0.0, 0.0]])).tolist() == [[1.5], [-0.5]]
+    plain = RewardOutput(OmegaConf.structured(RewardOutputConfig()), 3)
+    assert plain.num_outputs == 3 and plain(np.ones((1, 3))).tolist() == [[1.0, 1.0, 1.0]]
+    with pytest.raises(ValueError, match="2 entries but the reward model has 3 outputs"):
+        RewardOutput(cfg, 3)
+
+
+# ---- verifiable rewards ------------------------------------------------------------------------------
+@pytest.mark.parametrize("response, answer, arithmetic, math", [
+    ("19", "19", 1.0, 1.0),
+    ("The answer is 19.", "19", 1.0, 1.0),
+    ("12+7=19", "19", 1.0, 1.0),
+    ("19, no wait, 18", "19", 0.0, 0.0),
+    ("no idea", "19", 0.0, 0.0),
+    ("-4", "-4", 1.0, 1.0),
+    ("1,234", "1234", 1.0, 1.0),
+    ("so \\boxed{5/2} and then 7", "2.5", 0.0, 1.0),
+    ("\\boxed{x+1}", "x + 1", 0.0, 1.0),
+])
+def test_math_rewards(response, answer, arithmetic, math):
+    from aligner.rewards import get_verifier
+
+    assert get_verifier("arithmetic")(response, answer) == arithmetic
+    assert get_verifier("math")(response, answer) == math
+    with pytest.raises(KeyError, match="unknown verifier 'nope'"):
+        get_verifier("nope")
+
+
+# ---- configs ------------------------------------------------------------------------------------------
+def _fake_checkpoint(path, head="reward", outputs=1):
+    path.mkdir(parents=True)
+    (path / "aligner.json").write_text(json.dumps({"head": head, "model": {"num_attention_heads": 4},
+                                                   "scalar_head": {"num_outputs": outputs}}))
+    (path / "COMPLETE").write_text("")
+    return path
+
+
+@pytest.mark.parametrize("kind, overrides, message", [
+    ("reward", ["server.port=70000"], "server.port=70000 is not a TCP port"),
+    ("reward", ["server.grpc_port=5555"], "must differ"),
+    ("reward", ["checkpoint=/nonexistent"], "checkpoint=/nonexistent does not exist"),
+    ("reward", ["checkpoint=LM"], "has a 'lm' head, not a reward model's"),
+    ("reward", ["reward.attribute_weights=[1,2,3]"], "has 3 entries, the reward model has 2 outputs"),
+    ("reward", ["parallel.tensor_model_parallel_size=2"], "launcher.nproc_per_node=1 is not a multiple"),
+    ("reward", ["parallel.tensor_model_parallel_size=3", "launcher.nproc_per_node=3"], "4 attention heads do not split"),
+    ("reward", ["reward.standardize=true", "reward.std=0"], "reward.std must be > 0"),
+    ("reward", ["server.max_batch_szie=3"], "max_batch_szie"),
+    ("critic", ["checkpoint=null"], "the critic needs initial weights"),
+    ("critic", ["trainer.global_batch_size=6", "trainer.micro_batch_size=4"], "must be a multiple of"),
+    ("critic", ["reward_checkpoint=LM"], "is not a reward model"),
+    ("verifier", ["verifier=nope"], "verifier=nope is unknown"),
+])
+def test_serve_config_errors(tmp_path, kind, overrides, message):
+    from aligner.config import ConfigError
+    from aligner.servers.config import load_serve_config
+
+    rm, lm = _fake_checkpoint(tmp_path / "rm", outputs=2), _fake_checkpoint(tmp_path / "lm", head="lm")
+    base = [] if kind == "verifier" else [f"checkpoint={rm}", f"run_dir={tmp_path / 'run'}"]
+    overrides = [o.replace("=LM", f"={lm}") for o in overrides]
+    with pytest.raises(ConfigError) as e:
+        load_serve_config(kind, base + overrides)
+    assert message in str(e.value)
+
+
+def test_serve_config_defaults(tmp_path):
+    from aligner.servers.config import load_serve_config
+
+    cfg = load_serve_config("reward", [f"checkpoint={_fake_checkpoint(tmp_path / 'rm')}"])
+    assert (cfg.server.host, cfg.server.port, cfg.server.grpc_port, cfg.server.exit_timeout_s) == ("127.0.0.1", 5555, None, 3)
+    assert load_serve_config("critic", [f"checkpoint={tmp_path / 'rm'}"]).server.port == 5567
+
+
+def test_cli_refuses_a_busy_port_before_loading_a_model(tmp_path):
+    from tests.conftest import run_cli
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        result = run_cli("serve", "verifier", f"run_dir={tmp_path}", f"server.port={port}", timeout=60)
+    assert result.returncode == 1 and f"port {port} on 127.0.0.1 is not available" in result.stderr
+    assert time.monotonic() - start < 30
+    assert run_cli("serve", "nope").returncode == 2
