@@ -213,7 +213,121 @@ class VerifierServeConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=5570))
 
 
+# ---- preference optimisation (aligner/algorithms/preference.py) ----------------------------------------
+@dataclass
+class PreferenceDataConfig(DataConfig):
+    overlong: str = "drop"  # drop | truncate (keeps the start; needs a response token left)
+    packing: bool = False  # several sequences per row with block-causal attention (local layer spec)
+    pack_length: Optional[int] = None  # positions per packed row; None = data.max_length
+
+
+class ReferenceMode(Enum):
+    model = "model"  # a second frozen model with the policy's layout
+    cpu_swap = "cpu_swap"  # reference weights in CPU memory, copied into the policy for its forward
+    precompute = "precompute"  # log-probs computed once before training, cached in <run_dir>/reference
+
+
+@dataclass
+class ReferenceConfig:
+    mode: ReferenceMode = ReferenceMode.model
+
+
+class DPOLossType(Enum):
+    sigmoid = "sigmoid"  # DPO; with label_smoothing: conservative DPO (cDPO)
+    robust = "robust"  # robust DPO under label noise label_smoothing
+    hinge = "hinge"  # SLiC
+    ipo = "ipo"  # (delta - 1/(2 beta))^2 on the summed (or averaged) log-ratios
+    rpo_sq = "rpo_sq"  # reward-aware (NeMo-Aligner): needs chosen_reward / rejected_reward in the data
+    rpo_fwd_kl = "rpo_fwd_kl"
+    rpo_bwd_kl = "rpo_bwd_kl"
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1  # KL penalty (the implicit reward is beta * log-ratio)
+    loss_type: DPOLossType = DPOLossType.sigmoid
+    label_smoothing: float = 0.0  # sigmoid / robust: assumed label-flip probability, in [0, 0.5)
+    average_logprobs: bool = False  # length-average the response log-probs (else sum)
+    reward_scale: float = 1.0  # rpo_*: scale of the data's reward difference
+    sft_weight: float = 0.0  # weight of an NLL term on the chosen response
+
+
+@dataclass
+class DPORunConfig:
+    run_dir: str = "runs/dpo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+
+
+@dataclass
+class ORPOConfig:
+    odds_ratio_weight: float = 0.1  # lambda: weight of the odds-ratio term next to the chosen NLL
+
+
+@dataclass
+class ORPORunConfig:
+    run_dir: str = "runs/orpo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    orpo: ORPOConfig = field(default_factory=ORPOConfig)
+
+
+@dataclass
+class SimPOConfig:
+    beta: float = 2.0  # reward scale on the length-averaged log-probs
+    gamma: float = 1.0  # target reward margin (absolute, not gamma / beta)
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class SimPORunConfig:
+    run_dir: str = "runs/simpo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    simpo: SimPOConfig = field(default_factory=SimPOConfig)
+
+
+@dataclass
+class KTOConfig:
+    beta: float = 0.1
+    desirable_weight: float = 1.0  # lambda_D
+    undesirable_weight: float = 1.0  # lambda_U
+
+
+@dataclass
+class KTORunConfig:
+    run_dir: str = "runs/kto"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
+
+
 # command name -> (yaml under conf/, schema)
 COMMANDS = {"sft": ("sft", SFTRunConfig), "rm": ("rm", RMRunConfig),
             "serve_reward": ("serve_reward", RewardServeConfig), "serve_critic": ("serve_critic", CriticServeConfig),
-            "serve_verifier": ("serve_verifier", VerifierServeConfig)}
+            "serve_verifier": ("serve_verifier", VerifierServeConfig),
+            "dpo": ("dpo", DPORunConfig), "orpo": ("orpo", ORPORunConfig), "simpo": ("simpo", SimPORunConfig),
+            "kto": ("kto", KTORunConfig)}

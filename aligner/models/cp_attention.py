@@ -74,6 +74,8 @@ class AllGatherContextParallelAttention(MegatronModule):
             value = value.repeat_interleave(heads // value.shape[2], dim=2)
         q_pos = positions_on_rank(seq_len, cp, rank).to(query.device)
         future = torch.arange(seq_len, device=query.device)[None, :] > q_pos[:, None]
+        if attention_mask is not None:  # packed rows: [b, 1, s_local, s] (True = masked), this rank's queries
+            future = future | attention_mask
         scores = torch.einsum("sbhd,tbhd->bhst", query, key) * self.softmax_scale
         probs = scores.masked_fill(future, float("-inf")).softmax(-1).to(value.dtype)
         context = torch.einsum("bhst,tbhd->sbhd", probs, value)

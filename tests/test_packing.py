@@ -1,0 +1,133 @@
+"""Sequence packing: the row layout, the block-causal mask, and packed batches giving the same
+per-sequence log-probs, DPO loss, SFT loss and gradients as padded ones (one process)."""
+import pytest
+import torch
+
+from aligner.data.packing import block_causal_mask, build_micro_batches, first_fit_decreasing
+
+
+def test_first_fit_decreasing():
+    assert first_fit_decreasing([3, 5, 2, 4], capacity=7) == [[1, 2], [0, 3]]  # 5+2, 4+3
+    assert first_fit_decreasing([7, 1, 1], capacity=7) == [[0], [1, 2]]
+    with pytest.raises(ValueError, match="does not fit"):
+        first_fit_decreasing([8], capacity=7)
+
+
+def test_packed_and_padded_layouts():
+    a = ([10, 11, 12, 13], [0, 0, 1, 1])  # 3 positions, labels 11 12 13, trained on 12, 13
+    b = ([20, 21, 22], [0, 1, 1])  # 2 positions
+    c = ([30, 31], [0, 1])  # 1 position
+    padded, length = build_micro_batches([[a, b], [c]], pad_id=0, multiple=4)
+    assert length == 4 and [m["tokens"].shape for m in padded] == [(2, 4), (2, 4)]  # one shape per step
+    assert padded[0]["tokens"].tolist() == [[10, 11, 12, 0], [20, 21, 0, 0]]
+    assert padded[1]["sequence_index"].tolist() == [[0, -1, -1, -1], [-1, -1, -1, -1]]  # an empty filler row
+
+    packed, length = build_micro_batches([[a, b, c]], pad_id=0, packed=True, capacity=6)
+    m = packed[0]
+    assert length == 6 and m["tokens"].shape == (1, 6) and m["packed"] and m["num_sequences"] == 3
+    assert m["tokens"].tolist() == [[10, 11, 12, 20, 21, 30]]
+    assert m["labels"].tolist() == [[11, 12, 13, 21, 22, 31]]
+    assert m["loss_mask"].tolist() == [[0, 1, 1, 1, 1, 1]]
+    assert m["sequence_index"].tolist() == [[0, 0, 0, 1, 1, 2]]
+    assert m["segments"].tolist() == [[0, 0, 0, 1, 1, 2]]
+    assert m["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]  # restart in every sequence
+
+
+def test_block_causal_mask():
+    segments = torch.tensor([[0, 0, 1, 1, -1]])
+    allowed = ~block_causal_mask(segments)[0, 0]
+    assert allowed.int().tolist() == [[1, 0, 0, 0, 0],
+                                      [1, 1, 0, 0, 0],
+                                      [0, 0, 1, 0, 0],
+                                      [0, 0, 1, 1, 0],
+                                      [0, 0, 0, 0, 1]]
+    rows = block_causal_mask(segments, torch.tensor([3, 1]))  # a context-parallel rank's queries
+    assert rows.shape == (1, 1, 2, 5) and torch.equal(~rows[0, 0], allowed[[3, 1]])
+
+
+@pytest.fixture(scope="module")
+def model():
+    from aligner.config.schema import ModelConfig
+    from aligner.models.gpt import build_gpt
+    from aligner.runtime import distributed
+    from aligner.runtime.seeding import seed_everything
+    from omegaconf import OmegaConf
+
+    distributed.init_process_group()
+    distributed.init_model_parallel()
+    seed_everything(5)
+    cfg = OmegaConf.structured(ModelConfig)
+    cfg.num_query_groups = 2
+    return build_gpt(cfg, 300)
+
+
+def _sequences(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(n):
+        length = int(torch.randint(4, 20, (1,), generator=g))
+        start = int(torch.randint(1, length - 1, (1,), generator=g))
+        seqs.append((torch.randint(3, 300, (length,), generator=g).tolist(), [0] * start + [1] * (length - start)))
+    return seqs
+
+
+def _loss_and_grads(model, step_loss, micro):
+    from aligner.algorithms.preference import make_sequence_forward_step
+
+    model.zero_grad()
+    step = make_sequence_forward_step(step_loss, 300)
+    total, reports = 0.0, []
+    for batch in micro:
+        output, loss_func = step(iter([batch]), model)
+        loss, count, report = loss_func(output)
+        loss.backward()
+        total += loss.item()
+        reports.append(report)
+    return total, {n: p.grad.clone() for n, p in model.named_parameters()}, reports
+
+
+@pytest.mark.parametrize("algorithm", ["dpo", "sft"])
+def test_packed_equals_padded(model, algorithm):
+    from aligner.algorithms.preference import DPO
+    from aligner.config.schema import DPOConfig
+    from omegaconf import OmegaConf
+
+    groups = [_sequences(8, seed=1), _sequences(8, seed=2)]  # two micro-batches of 4 pairs (8 sequences)
+    if algorithm == "dpo":
+        dpo = DPO(OmegaConf.structured(DPOConfig(beta=0.5, sft_weight=0.3)))
+
+        def step_loss(sums, counts, batch):
+            return dpo.loss(sums, counts, batch)
+    else:
+        def step_loss(sums, counts, batch):  # SFT: the NLL summed over tokens
+            return -sums.sum(), counts.sum(), {"loss": -sums.sum()}
+
+    results = []
+    for packed in (False, True):
+        micro, _ = build_micro_batches(groups, pad_id=0, packed=packed, capacity=40)
+        for batch in micro:
+            batch["reference"] = torch.linspace(-30.0, -10.0, 8)
+        if packed:
+            assert micro[0]["tokens"].shape[0] < 8  # several sequences share rows
+        results.append(_loss_and_grads(model, step_loss, micro))
+    (padded_loss, padded_grads, padded_reports), (packed_loss, packed_grads, packed_reports) = results
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
+    for key in padded_reports[0]:
+        for a, b in zip(padded_reports, packed_reports):
+            assert b[key].item() == pytest.approx(a[key].item(), rel=1e-5, abs=1e-5), key
+    for name, grad in padded_grads.items():
+        assert (packed_grads[name] - grad).abs().max().item() < 1e-5 * max(1.0, grad.abs().max().item()), name
+
+
+def test_packed_rows_do_not_see_each_other(model):
+    """Changing one packed sequence leaves the log-probs of its row neighbours unchanged."""
+    from aligner.algorithms.preference import logprob_sums
+
+    seqs = _sequences(4, seed=3)
+    changed = list(seqs)
+    changed[2] = ([7] * len(seqs[2][0]), seqs[2][1])
+    sums = [logprob_sums(model, build_micro_batches([s], 0, packed=True, capacity=80)[0], 80, 300)[0]
+            for s in (seqs, changed)]
+    assert build_micro_batches([seqs], 0, packed=True, capacity=80)[0][0]["tokens"].shape[0] == 1
+    assert torch.allclose(sums[0][[0, 1, 3]], sums[1][[0, 1, 3]], atol=1e-5)
+    assert not torch.allclose(sums[0][2], sums[1][2])
