@@ -170,7 +170,7 @@ def test_errors(world, tmp_path):
     for content, message in [('{"text": "ok"}\n{"txt": "oops"}\n', r"data.jsonl:2: expected"),
                              ('{"input_ids": [1, 2]}\n\n{"input_ids": [1, 320]}\n', r"data.jsonl:3: token id 320"),
                              ('{"input_ids": [1, "a"]}\n', r"data.jsonl:1: input_ids must be"),
-                             ("not json\n", r"data.jsonl:1: not valid JSON")]:
+                             ("not json\n", r"data.jsonl:1: expected one JSON object per line, got invalid JSON")]:
         (tmp_path / "data.jsonl").write_text(content)
         with pytest.raises(ValueError, match=message):
             score_logprobs(ckpt, tmp_path / "data.jsonl", tmp_path / "out.jsonl")

@@ -47,3 +47,31 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             if not isinstance(obj, dict):
                 raise DataError(f"{path}:{line_no}: expected a JSON object per line, got {json_type(obj)}")
             yield line_no, obj
+
+
+def read_token_sequences(path: str | Path, text_key: str, ids_key: str, vocab_size: int,
+                         tokenizer_for) -> list[list[int]]:
+    """Token ids per line, from `{text_key: str}` or `{ids_key: [int, ...]}` records.
+
+    Text is encoded with the tokenizer that `tokenizer_for(where)` returns (called once, at the first
+    text record, so id-only files need no tokenizer; it raises if there is none). Ids must lie in
+    [0, vocab_size) and a sequence must not be empty."""
+    tokenizer, sequences = None, []
+    for line_no, record in read_jsonl(path):
+        where = f"{path}:{line_no}"
+        if isinstance(record.get(text_key), str):
+            tokenizer = tokenizer or tokenizer_for(where)
+            ids = list(tokenizer(record[text_key])["input_ids"])
+        elif isinstance(record.get(ids_key), list):
+            ids = record[ids_key]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise DataError(f"{where}: {ids_key} must be a list of integers")
+        else:
+            raise DataError(f'{where}: expected {{"{text_key}": str}} or {{"{ids_key}": [int, ...]}}')
+        if not ids:
+            raise DataError(f"{where}: the sequence is empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise DataError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        sequences.append(ids)
+    return sequences

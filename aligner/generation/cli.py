@@ -76,35 +76,16 @@ def sampling_params(values: dict):
 
 
 def read_prompts(path, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Token ids per non-blank line; ValueError naming file:line for a bad line."""
-    prompts = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-                if tokenizer is None:
-                    raise ValueError(f"{where}: a text prompt needs the checkpoint's tokenizer (DIR/tokenizer), "
-                                     "which is missing; give prompt_ids instead")
-                ids = list(tokenizer(record["prompt"])["input_ids"])
-            elif isinstance(record, dict) and isinstance(record.get("prompt_ids"), list):
-                ids = record["prompt_ids"]
-                if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise ValueError(f"{where}: prompt_ids must be a list of integers")
-            else:
-                raise ValueError(f'{where}: expected {{"prompt": str}} or {{"prompt_ids": [int, ...]}}')
-            if not ids:
-                raise ValueError(f"{where}: the prompt is empty")
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-            prompts.append(ids)
-    return prompts
+    """Token ids per non-blank line; a DataError (ValueError) names file:line for a bad line."""
+    from aligner.data.jsonl import read_token_sequences
+
+    def tokenizer_for(where: str):
+        if tokenizer is None:
+            raise ValueError(f"{where}: a text prompt needs the checkpoint's tokenizer (DIR/tokenizer), "
+                             "which is missing; give prompt_ids instead")
+        return tokenizer
+
+    return read_token_sequences(path, "prompt", "prompt_ids", vocab_size, tokenizer_for)
 
 
 def run_generation(job: dict) -> None:

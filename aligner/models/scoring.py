@@ -22,33 +22,11 @@ from aligner.models.hf_convert import rank_main, run_ranks
 
 
 def read_inputs(data_path, vocab_size: int, tokenizer_path=None) -> list[list[int]]:
-    """Token ids per non-blank line; a ValueError names file:line for a bad one."""
-    tokenizer = None
-    sequences = []
-    with open(data_path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{data_path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if isinstance(record, dict) and isinstance(record.get("text"), str):
-                if tokenizer is None:
-                    tokenizer = _load_tokenizer(tokenizer_path, where)
-                ids = list(tokenizer(record["text"])["input_ids"])
-            elif isinstance(record, dict) and isinstance(record.get("input_ids"), list):
-                ids = record["input_ids"]
-                if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise ValueError(f"{where}: input_ids must be a list of integers")
-            else:
-                raise ValueError(f'{where}: expected {{"text": str}} or {{"input_ids": [int, ...]}}')
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-            sequences.append(ids)
-    return sequences
+    """Token ids per non-blank line; a DataError (ValueError) names file:line for a bad one."""
+    from aligner.data.jsonl import read_token_sequences
+
+    return read_token_sequences(data_path, "text", "input_ids", vocab_size,
+                                lambda where: _load_tokenizer(tokenizer_path, where))
 
 
 def _load_tokenizer(path, where: str):
