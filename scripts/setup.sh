@@ -13,4 +13,7 @@ python - <<'PY'
 import sysconfig, torch, megatron.core
 print(f"aligner env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
       f"shared libpython: {bool(sysconfig.get_config_var('Py_ENABLE_SHARED'))}")
+if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+    print("warning: this Python has no shared libpython; the PyTriton servers (aligner serve, "
+          "tests/test_server.py) need one: use a Python built with --enable-shared")
 PY

@@ -3,26 +3,11 @@ checkpoints, leftover accounting."""
 from __future__ import annotations
 
 import glob
-import random
-import socket
 from pathlib import Path
 
-HOST = "127.0.0.1"
+from aligner.servers.process import free_port_block
 
-
-def free_port_block(n: int = 3, low: int = 20000, high: int = 32000) -> int:
-    """A base port p with p..p+n-1 free on 127.0.0.1, below the ephemeral range (so no outgoing
-    connection takes one before the server binds it)."""
-    for _ in range(500):
-        base = random.randrange(low, high - n)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind((HOST, port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free block of ports")
+__all__ = ["free_port_block", "make_reward_checkpoint", "triton_scratch_dirs"]
 
 
 def make_reward_checkpoint(out, tokenizer_dir, num_outputs: int = 1, seed: int = 0, attributes=None, **model) -> Path:

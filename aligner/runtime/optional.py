@@ -16,6 +16,7 @@ OPTIONAL = {
     "transformer_engine": ("te", "the Transformer-Engine layer spec, TE context-parallel attention and FP8"),
     "tensorrt_llm": ("trtllm", "TensorRT-LLM rollout generation (install from NVIDIA's index on a GPU image)"),
     "pytriton": ("serve", "the PyTriton reward/critic/verifier servers"),
+    "tritonclient": ("serve", "the reward/critic/verifier client (installed with nvidia-pytriton)"),
 }
 
 

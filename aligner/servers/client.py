@@ -123,6 +123,9 @@ class EndpointClient:
 
     def _connection(self):
         if getattr(self._local, "client", None) is None:
+            from aligner.runtime.optional import require
+
+            require("tritonclient")
             import tritonclient.http as http
 
             self._local.client = http.InferenceServerClient(self.where, connection_timeout=min(self.timeout_s, 10.0),

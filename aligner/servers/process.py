@@ -29,6 +29,24 @@ class ServerFailed(RuntimeError):
     pass
 
 
+def free_port_block(host: str = "127.0.0.1", n: int = 3, low: int = 20000, high: int = 32000) -> int:
+    """A base port p with p..p+n-1 free (HTTP, gRPC, metrics), below Linux's ephemeral range so that
+    no outgoing connection takes one before the server binds it. Best effort: bind-checked now."""
+    import random
+    import socket
+
+    for _ in range(500):
+        base = random.randrange(low, high - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high}) on {host}")
+
+
 class ServerProcess:
     def __init__(self, kind: str, overrides: list[str], run_dir, *, port: int, host: str = "127.0.0.1",
                  env: dict | None = None):

@@ -95,7 +95,10 @@ def _plain_requests(function):
 
 def serve(server, run_dir, bindings: list[Binding], stop: threading.Event | None = None) -> None:
     """Serve `bindings` until SIGTERM/SIGINT (or `stop` is set); blocks. Call from the main thread."""
+    from aligner.runtime.optional import require
+
     fix_libpython()
+    require("pytriton")
     from pytriton.model_config import DynamicBatcher, ModelConfig
     from pytriton.triton import Triton, TritonConfig
 
