@@ -7,7 +7,7 @@ from pathlib import Path
 
 from aligner.servers.process import free_port_block
 
-__all__ = ["free_port_block", "make_reward_checkpoint", "triton_scratch_dirs"]
+__all__ = ["free_port_block", "make_reward_checkpoint", "triton_model_dirs", "triton_scratch_dirs"]
 
 
 def make_reward_checkpoint(out, tokenizer_dir, num_outputs: int = 1, seed: int = 0, attributes=None, **model) -> Path:
@@ -36,3 +36,17 @@ def make_reward_checkpoint(out, tokenizer_dir, num_outputs: int = 1, seed: int =
 def triton_scratch_dirs() -> set[str]:
     """Workspaces our servers create (removed on a clean exit)."""
     return set(glob.glob("/tmp/aligner-triton-*")) | set(glob.glob(str(Path.home() / ".cache/pytriton/workspace_*")))
+
+
+MODELS = ("reward_model", "critic_infer", "critic_train", "critic_save", "verifier")
+
+
+def triton_model_dirs() -> set[str]:
+    """The per-model directories tritonserver's Python backend makes in /tmp, and its python_env
+    directories: a server killed with SIGKILL leaves them behind (notes/pytriton.md, F5)."""
+    found = set(glob.glob("/tmp/python_env_??????"))
+    for folder in glob.glob("/tmp/folder??????"):
+        config = Path(folder) / "config.pbtxt"
+        if config.exists() and any(f'name: "{m}"' in config.read_text(errors="replace") for m in MODELS):
+            found.add(folder)
+    return found

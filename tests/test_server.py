@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.server_workers import free_port_block, make_reward_checkpoint, triton_scratch_dirs
+from tests.server_workers import free_port_block, make_reward_checkpoint, triton_model_dirs, triton_scratch_dirs
 
 pytestmark = pytest.mark.dist
 WEIGHTS, MEAN, STD = [0.5, -1.0], 0.1, 2.0
@@ -27,7 +27,7 @@ def world(tiny_assets, tmp_path_factory):
     from aligner.servers.process import ServerProcess
 
     root = tmp_path_factory.mktemp("servers")
-    scratch_before = triton_scratch_dirs()
+    scratch_before, model_dirs_before = triton_scratch_dirs(), triton_model_dirs()
     tokenizer_dir = tiny_assets / "tokenizer"
     rm1 = make_reward_checkpoint(root / "rm1", tokenizer_dir, 1, seed=1)
     rm2 = make_reward_checkpoint(root / "rm2", tokenizer_dir, 2, seed=2, attributes=["helpfulness", "correctness"])
@@ -63,7 +63,8 @@ def world(tiny_assets, tmp_path_factory):
     print(f"4 servers ready in {time.monotonic() - start:.1f} s")
     world = {"root": root, "rm1": rm1, "rm2": rm2, "tokenizer": tokenizer, "texts": texts,
              "sequences": [tokenizer(t + "<eos>", add_special_tokens=False)["input_ids"] for t in texts],
-             "ports": ports, "servers": servers, "scratch_before": scratch_before, "leaked": set()}
+             "ports": ports, "servers": servers, "scratch_before": scratch_before,
+             "model_dirs_before": model_dirs_before, "leaked": set()}
     yield world
     for server in world["servers"].values():
         server.terminate()
@@ -282,5 +283,8 @@ def test_servers_stop_cleanly_and_leave_nothing_behind(world):
         assert not server.alive(), (name, server.alive())
     leftovers = triton_scratch_dirs() - world["scratch_before"]
     assert leftovers <= world["leaked"], leftovers - world["leaked"]  # only the SIGKILLed server's scratch
-    for path in leftovers:
+    # the SIGKILLed server's model dir in /tmp (F5); the servers stopped by SIGTERM left none
+    model_dirs = triton_model_dirs() - world["model_dirs_before"]
+    assert len([d for d in model_dirs if "/folder" in d]) <= 1, model_dirs
+    for path in leftovers | model_dirs:
         shutil.rmtree(path, ignore_errors=True)
