@@ -17,7 +17,8 @@ from aligner.servers.client import CallFailed, CriticClient, EndpointClient, Rew
 
 class FakeServer:
     """Accepts HTTP connections on 127.0.0.1 and, per request: closes the connection ("close"),
-    never answers ("hang"), or answers 400 with a Triton-style error ("refuse")."""
+    never answers ("hang"), or answers 400 with a Triton-style error ("refuse": a bad input;
+    "unknown": the model is not loaded)."""
 
     def __init__(self, behaviour: str):
         self.behaviour, self.requests, self.held = behaviour, 0, []
@@ -53,8 +54,10 @@ class FakeServer:
             elif self.behaviour == "hang":
                 self.held.append(conn)
             else:
-                body = json.dumps({"error": "[request id: <id_unknown>] inference input 'tokens' data-type is 'INT32', "
-                                            "but model 'reward_model' expects 'INT64'"}).encode()
+                error = ("Request for unknown model: 'reward_model' is not found" if self.behaviour == "unknown" else
+                         "[request id: <id_unknown>] inference input 'tokens' data-type is 'INT32', but model "
+                         "'reward_model' expects 'INT64'")
+                body = json.dumps({"error": error}).encode()
                 conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: "
                              + str(len(body)).encode() + b"\r\n\r\n" + body)
                 conn.close()
@@ -115,6 +118,13 @@ def test_server_refusals_are_errors_and_not_retried(fake):
         scores = client.score([[1, 2], [3, 4]]).result(timeout=30)
     assert fake.requests == 1 and scores.results[0].status == "error"
     assert "data-type is 'INT32'" in scores.failures[0] and np.isnan(scores.values).all()
+
+
+@pytest.mark.parametrize("fake", ["unknown"], indirect=True)
+def test_a_server_still_loading_its_models_is_retried(fake):
+    with RewardClient(port=fake.port, retries=2, backoff_s=0.05) as client:
+        scores = client.score([[1, 2]]).result(timeout=30)
+    assert fake.requests == 3 and "is not found" in scores.failures[0]
 
 
 @pytest.mark.parametrize("fake", ["hang"], indirect=True)

@@ -12,7 +12,8 @@ so the actor does not need PyTriton itself).
   `HTTPConnectionClosed`, which is neither a PyTriton nor a Triton exception, or a reset) only for
   idempotent endpoints, since the server may have acted on it (`critic_train` is not resent).
 * A server's refusal (wrong dtype, too long, out-of-vocabulary ids, ...) is not retried: the
-  samples get status "error" and the server's one-line reason. A request that exceeds `timeout_s`
+  samples get status "error" and the server's one-line reason. "Model not found / not ready"
+  (a server still loading its models) is retried like a refused connection. A request that exceeds `timeout_s`
   gets status "timeout" (the server still finishes it).
 * `wait_ready(timeout_s)` polls the model's readiness URL and raises `ServerUnavailable` naming
   host, port and endpoint.
@@ -35,6 +36,8 @@ from aligner.servers import protocol
 log = logging.getLogger(__name__)
 
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+# Triton's answers while a model is not loaded (yet): the request did not run.
+_NOT_SERVING_YET = ("is not found", "is not ready", "unavailable")
 _KIND = {"reward_model": "reward", "verifier": "verifier", "critic_infer": "critic", "critic_train": "critic",
          "critic_save": "critic"}
 
@@ -163,7 +166,9 @@ class EndpointClient:
                 reason = _server_reason(e.message() or str(e))
                 if "timed out" in reason.lower() or "deadline" in reason.lower():
                     raise CallFailed(TIMEOUT, reason) from None
-                raise CallFailed(ERROR, f"{self.model} at {self.where} refused the request: {reason}") from None
+                if not any(s in reason for s in _NOT_SERVING_YET):
+                    raise CallFailed(ERROR, f"{self.model} at {self.where} refused the request: {reason}") from None
+                last = e  # a (re)starting server: the model did not run, so resending is safe
             except TimeoutError:
                 self._drop_connection()
                 raise CallFailed(TIMEOUT, f"{self.model} at {self.where} gave no answer within {self.timeout_s:g} s") \

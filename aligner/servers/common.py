@@ -2,6 +2,7 @@
 rows, the served reward's post-processing, and the rank-0-serves / others-follow structure."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -32,28 +33,68 @@ def init_job(cfg) -> None:
     seed_everything(cfg.trainer.seed if "trainer" in cfg else 0)
 
 
-def run_job(cfg, bindings_factory, handlers: dict, broadcaster, lock: threading.Lock) -> None:
-    """Rank 0 serves `bindings_factory()` until SIGTERM, then releases the other ranks, which run
-    `handlers` for each broadcast command meanwhile. Every rank then leaves the process group."""
+class Job:
+    """Rank 0's side of a server job. Every collective step runs in `step(command, tensors)`: under
+    one lock (endpoints share the weights and the ranks' collectives), on the job's device, after
+    broadcasting the command to the other ranks. A step that fails while other ranks take part
+    stops the server, since the ranks may no longer be in step; with one rank the error only fails
+    that request."""
+
+    def __init__(self):
+        from aligner.servers.engine import Broadcaster
+
+        self.broadcaster, self.lock = Broadcaster(), threading.Lock()
+        self.stop, self.failed = threading.Event(), threading.Event()
+
+    @contextlib.contextmanager
+    def step(self, command: int, tensors: dict | None = None):
+        from aligner.servers.engine import on_device
+
+        with self.lock, on_device():
+            try:
+                yield self.broadcaster.send(command, tensors)
+            except BaseException:
+                if torch.distributed.get_world_size() > 1:
+                    log.error("a collective step failed: stopping the server, whose ranks may be out of step")
+                    self.failed.set()
+                    self.stop.set()
+                raise
+
+    def release(self) -> bool:
+        """Tell the other ranks to stop; False when they are already gone."""
+        from aligner.servers.engine import STOP
+
+        with self.lock:
+            try:
+                self.broadcaster.send(STOP)
+                return True
+            except Exception as e:  # noqa: BLE001 - nothing left to release
+                log.warning("could not release the other ranks: %s", e)
+                return False
+
+
+def run_job(cfg, job: Job | None, bindings_factory, handlers: dict) -> None:
+    """Rank 0 (with its `job`) serves `bindings_factory()` until SIGTERM, then releases the other
+    ranks, which run `handlers` for each broadcast command meanwhile. All then leave the process
+    group; a rank whose handler fails exits at once, so that rank 0's collective fails too."""
     from aligner.runtime import distributed
-    from aligner.servers.engine import STOP, follow
+    from aligner.servers.engine import Broadcaster, follow
     from aligner.servers.triton import serve
 
     if torch.distributed.get_rank() == 0:
         try:
-            serve(cfg.server, cfg.run_dir, bindings_factory())
-        finally:
-            with lock:
-                try:
-                    broadcaster.send(STOP)
-                except Exception as e:  # noqa: BLE001 - followers already gone; nothing to release
-                    log.warning("could not release the other ranks: %s", e)
+            serve(cfg.server, cfg.run_dir, bindings_factory(), stop=job.stop)
+        finally:  # after a failed step the other ranks may wait in any collective: leave them to fail
+            if not job.failed.is_set() and job.release():
+                distributed.shutdown()
+        if job.failed.is_set():
+            raise RuntimeError("the server stopped after a collective step failed (see the log above)")
     else:
         # The launcher signals every rank at once; these ranks stop when rank 0 says so.
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, signal.SIG_IGN)
-        follow(broadcaster, handlers)
-    distributed.shutdown()
+        follow(Broadcaster(), handlers)
+        distributed.shutdown()
 
 
 def load_server_tokenizer(path, checkpoint=None):

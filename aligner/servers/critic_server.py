@@ -17,16 +17,15 @@ head starts fresh) or a critic.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from aligner.servers.common import RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
+from aligner.servers.common import Job, RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
     max_length, run_job, split_outputs
-from aligner.servers.engine import REWARD, SAVE, TRAIN, VALUES, Broadcaster, build_scalar_model, forward_rows, \
-    last_token_head, on_device, token_values_head
+from aligner.servers.engine import REWARD, SAVE, TRAIN, VALUES, build_scalar_model, forward_rows, last_token_head, \
+    token_values_head
 
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -228,7 +227,7 @@ def run(cfg) -> None:
 
     init_job(cfg)
     critic = Critic(cfg)
-    broadcaster, lock = Broadcaster(), threading.Lock()
+    job = Job() if torch.distributed.get_rank() == 0 else None
     handlers = {
         VALUES: lambda t: critic.infer(t["tokens"], t["lengths"]),
         REWARD: lambda t: critic.rewards(t["tokens"], t["lengths"]),
@@ -246,8 +245,7 @@ def run(cfg) -> None:
 
         def infer(requests):
             tokens, lengths, counts = reader.token_batch(requests)
-            with lock, on_device():
-                sent = broadcaster.send(VALUES, as_tensors(tokens=tokens, lengths=lengths))
+            with job.step(VALUES, as_tensors(tokens=tokens, lengths=lengths)) as sent:
                 values, rewards = critic.infer(sent["tokens"], sent["lengths"])
             outputs = {"values": values.cpu().numpy().astype(np.float32)}
             if rewards is not None:
@@ -258,8 +256,7 @@ def run(cfg) -> None:
 
         def reward_infer(requests):
             tokens, lengths, counts = reader.token_batch(requests)
-            with lock, on_device():
-                sent = broadcaster.send(REWARD, as_tensors(tokens=tokens, lengths=lengths))
+            with job.step(REWARD, as_tensors(tokens=tokens, lengths=lengths)) as sent:
                 rewards = critic.rewards(sent["tokens"], sent["lengths"])
             return split_outputs({"rewards": output(rewards.cpu().numpy())}, counts)
 
@@ -276,14 +273,12 @@ def run(cfg) -> None:
                 batch[spec.name] = check_float_like(request, spec, tokens.shape)
             if not batch["mask"].any():
                 raise RequestError("'mask' selects no token: nothing to train on")
-            with lock, on_device():
-                sent = broadcaster.send(TRAIN, as_tensors(**batch))
+            with job.step(TRAIN, as_tensors(**batch)) as sent:
                 loss = critic.train(sent)
             return [{"loss_mean": np.array([loss], dtype=np.float32)}]
 
         def save(requests):
-            with lock, on_device():
-                broadcaster.send(SAVE)
+            with job.step(SAVE):
                 step = critic.save()
             return [{"step": np.array([step], dtype=np.int64)} for _ in requests]
 
@@ -293,4 +288,4 @@ def run(cfg) -> None:
             result.append(Binding(reward_endpoint(output.num_outputs), reward_infer, cfg.server.max_batch_size))
         return result
 
-    run_job(cfg, bindings, handlers, broadcaster, lock)
+    run_job(cfg, job, bindings, handlers)

@@ -8,13 +8,11 @@ broadcasts (`engine`), so a TP=2 server serves the scores of a TP=1 one.
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from aligner.servers.common import RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
+from aligner.servers.common import Job, RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
     max_length, run_job, split_outputs
-from aligner.servers.engine import REWARD, Broadcaster, build_scalar_model, forward_rows, last_token_head, on_device
+from aligner.servers.engine import REWARD, build_scalar_model, forward_rows, last_token_head
 
 
 class RewardModel:
@@ -52,7 +50,7 @@ def run(cfg) -> None:
 
     init_job(cfg)
     reward = RewardModel(cfg.checkpoint, cfg.parallel, cfg.server.forward_micro_batch_size)
-    broadcaster, lock = Broadcaster(), threading.Lock()
+    job = Job() if torch.distributed.get_rank() == 0 else None
 
     def bindings():
         reader = RequestReader(cfg.server.max_batch_size, max_length(cfg, reward.model_cfg), reward.vocab_size,
@@ -61,11 +59,10 @@ def run(cfg) -> None:
 
         def infer(requests):
             tokens, lengths, counts = reader.token_batch(requests)
-            with lock, on_device():
-                sent = broadcaster.send(REWARD, as_tensors(tokens=tokens, lengths=lengths))
+            with job.step(REWARD, as_tensors(tokens=tokens, lengths=lengths)) as sent:
                 raw = reward.scores(sent["tokens"], sent["lengths"])
             return split_outputs({"rewards": output(raw.cpu().numpy())}, counts)
 
         return [Binding(reward_endpoint(output.num_outputs), infer, cfg.server.max_batch_size)]
 
-    run_job(cfg, bindings, {REWARD: lambda t: reward.scores(t["tokens"], t["lengths"])}, broadcaster, lock)
+    run_job(cfg, job, bindings, {REWARD: lambda t: reward.scores(t["tokens"], t["lengths"])})
