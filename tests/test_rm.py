@@ -1,6 +1,6 @@
 """Reward-model training: hand-computed losses, the preference / regression data formats, and
-`aligner train rm` learning a synthetic preference task at TP=1 and TP=2, with PP=2 and CP=2
-reproducing the TP=1 losses."""
+`aligner train rm` learning a synthetic preference task at TP=1 and TP=2, with PP=2, CP=2 and DP=2
+reproducing the TP=1 losses and gradient norms."""
 from __future__ import annotations
 
 import json
@@ -172,15 +172,15 @@ def test_rm_learns_held_out_preferences(tiny_assets, preference_data, tmp_path_f
 
 @pytest.fixture(scope="module")
 def from_trained_rm(tiny_assets, preference_data, tmp_path_factory):
-    """3 steps at TP=1 starting from a trained reward model (the PP/CP runs start from it too, since
-    initial weights drawn under PP differ from TP=1's)."""
+    """2 steps at TP=1 starting from a trained reward model (the other layouts start from it too,
+    since initial weights drawn under PP differ from TP=1's)."""
     if "tp1" not in _runs:
         _train(tiny_assets, preference_data, tmp_path_factory, "tp1")
     pretrained = _rm_checkpoints["tp1"]
 
     def run(*layout):
         run_dir = tmp_path_factory.mktemp("rm_layout")
-        result = run_cli(*rm_args(tiny_assets, preference_data, run_dir, "trainer.max_steps=3",
+        result = run_cli(*rm_args(tiny_assets, preference_data, run_dir, "trainer.max_steps=2",
                                   f"model.pretrained={pretrained}", *layout))
         assert result.returncode == 0, result.stderr[-4000:]
         return read_metrics(run_dir)
@@ -189,8 +189,8 @@ def from_trained_rm(tiny_assets, preference_data, tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", [["model.pipeline_model_parallel_size=2"], ["model.context_parallel_size=2"]],
-                         ids=["pp2", "cp2"])
+@pytest.mark.parametrize("layout", [["model.pipeline_model_parallel_size=2"], ["model.context_parallel_size=2"], []],
+                         ids=["pp2", "cp2", "dp2"])
 def test_rm_parallel_layouts_match_tp1(from_trained_rm, layout):
     run, reference = from_trained_rm
     assert reference[0]["accuracy"] > 0.6  # the trained head was loaded, not re-initialised
