@@ -5,7 +5,7 @@ batcher may merge), against the same checkpoint run in this process (`engine.for
 TP=1, same torch thread count as the server's rank), and the per-request overhead: served latency
 minus in-process latency at the same batch. Server and client share this machine's cores.
 
-    python bench/reward_server.py [--seconds 4] [--length 64] [--clients 4] [--out runs/bench-reward-server]
+    python bench/reward_server.py [--seconds 4] [--length 64] [--clients 4] [--queue-delay-us 2000]
 """
 from __future__ import annotations
 
@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=64, help="tokens per row")
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients for the batched column")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server rank and in-process")
+    parser.add_argument("--queue-delay-us", type=int, default=2000,
+                        help="the dynamic batcher's wait for requests to merge (server.max_queue_delay_us)")
     parser.add_argument("--out", default="runs/bench-reward-server")
     args = parser.parse_args()
     root = Path(args.out)
@@ -123,14 +125,15 @@ def main() -> None:
     local = in_process(ckpt, batches, args.seconds, args.threads)
     port = free_port_block()
     server = ServerProcess("reward", [f"checkpoint={ckpt}", f"launcher.threads_per_rank={args.threads}",
-                                      f"server.forward_micro_batch_size={max(BATCHES)}"], root / "server", port=port)
+                                      f"server.forward_micro_batch_size={max(BATCHES)}",
+                                      f"server.max_queue_delay_us={args.queue_delay_us}"], root / "server", port=port)
     try:
         server.start().wait_ready(180)
         sequential, concurrent = served(port, batches, args.seconds, args.clients)
     finally:
         server.stop()
     print(f"tiny reward model, {args.length} tokens/row, {args.threads} torch thread(s), {args.clients} concurrent "
-          f"clients; medians\n")
+          f"clients, batcher delay {args.queue_delay_us} us; medians\n")
     print("| batch | in-process rows/s | in-process ms | served rows/s (1 client) | served ms/request | "
           f"served rows/s ({args.clients} clients) | overhead ms/request |\n|---|---|---|---|---|---|---|")
     for b in BATCHES:

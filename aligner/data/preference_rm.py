@@ -16,6 +16,9 @@ not already start with it; eos is appended unless the text already ends with it.
 at that last token (`aligner.models.heads.last_token_scores`).
 Overlong samples (either side of a pair longer than `max_length`) are dropped by default, or
 truncated to their first `max_length` tokens.
+`aligner.data.preference` (DPO) reads the same pair records but must find where each response starts,
+so it rejects records whose prompt/response boundary merges into one token; a reward model scores
+whole sequences, so here each side is one text, tokenized exactly as the reward server does it.
 """
 from __future__ import annotations
 
