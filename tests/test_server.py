@@ -17,6 +17,9 @@ import pytest
 from tests.server_workers import free_port_block, make_reward_checkpoint, triton_model_dirs, triton_scratch_dirs
 
 pytestmark = pytest.mark.dist
+pytest.importorskip("pytriton", reason="the servers need the serve extra: pip install 'aligner[serve]'")
+if not __import__("sysconfig").get_config_var("Py_ENABLE_SHARED"):
+    pytest.skip("PyTriton's backend needs a Python with a shared libpython", allow_module_level=True)
 WEIGHTS, MEAN, STD = [0.5, -1.0], 0.1, 2.0
 
 
