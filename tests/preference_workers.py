@@ -63,12 +63,11 @@ def run_case(workdir: Path, tokenizer_path: str, case: str, layout: dict, mode: 
              packed: bool | None = None) -> dict:
     """Two training steps of `case` under `layout`: metrics, step-1 gradients and final parameters
     (global names, this rank's shards)."""
-    from aligner.algorithms.preference import (DPO, KTO, PreferenceFormat, PreferenceTrainer,
+    from aligner.algorithms.preference import (DPO, KTO, PreferenceFormat, PreferenceTrainer, build_policy,
                                                make_sequence_forward_step)
     from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
     from aligner.data.tokenizer import load_tokenizer
     from aligner.models import checkpoint
-    from aligner.models.gpt import build_gpt
     from aligner.models.training import wrap_for_training
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
@@ -84,7 +83,7 @@ def run_case(workdir: Path, tokenizer_path: str, case: str, layout: dict, mode: 
     seed_everything(cfg.trainer.seed)
     tokenizer = load_tokenizer(tokenizer_path)
     vocab = len(tokenizer)
-    gpt = build_gpt(m, vocab)
+    gpt = build_policy(m, vocab)
     if not (workdir / "init").exists():
         checkpoint.save_checkpoint(workdir / "init", gpt, m, vocab)
     model, optimizer, scheduler = wrap_for_training(gpt, m, cfg.optim)

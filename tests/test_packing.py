@@ -1,9 +1,10 @@
-"""Sequence packing: the row layout, the block-causal mask, and packed batches giving the same
-per-sequence log-probs, DPO loss, SFT loss and gradients as padded ones (one process)."""
+"""Sequence packing: the row layout, pair trees (a pair's common prefix computed once), the tree
+attention mask, explicit token positions, and packed batches giving the same per-sequence log-probs,
+DPO loss, SFT loss and gradients as padded ones (one process)."""
 import pytest
 import torch
 
-from aligner.data.packing import block_causal_mask, build_micro_batches, first_fit_decreasing
+from aligner.data.packing import build_micro_batches, first_fit_decreasing, tree_attention_mask
 
 
 def test_first_fit_decreasing():
@@ -22,33 +23,58 @@ def test_packed_and_padded_layouts():
     assert padded[0]["tokens"].tolist() == [[10, 11, 12, 0], [20, 21, 0, 0]]
     assert padded[1]["sequence_index"].tolist() == [[0, -1, -1, -1], [-1, -1, -1, -1]]  # an empty filler row
 
-    packed, length = build_micro_batches([[a, b, c]], pad_id=0, packed=True, capacity=6)
+    packed, length = build_micro_batches([[a, b, c]], pad_id=0, packed=True, capacity=7, multiple=7)
     m = packed[0]
-    assert length == 6 and m["tokens"].shape == (1, 6) and m["packed"] and m["num_sequences"] == 3
-    assert m["tokens"].tolist() == [[10, 11, 12, 20, 21, 30]]
-    assert m["labels"].tolist() == [[11, 12, 13, 21, 22, 31]]
-    assert m["loss_mask"].tolist() == [[0, 1, 1, 1, 1, 1]]
-    assert m["sequence_index"].tolist() == [[0, 0, 0, 1, 1, 2]]
-    assert m["segments"].tolist() == [[0, 0, 0, 1, 1, 2]]
-    assert m["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]  # restart in every sequence
+    assert length == 7 and m["tokens"].shape == (1, 7) and m["packed"] and m["num_sequences"] == 3
+    assert m["tokens"].tolist() == [[10, 11, 12, 20, 21, 30, 0]]
+    assert m["labels"].tolist() == [[11, 12, 13, 21, 22, 31, 0]]
+    assert m["loss_mask"].tolist() == [[0, 1, 1, 1, 1, 1, 0]]
+    assert m["sequence_index"].tolist() == [[0, 0, 0, 1, 1, 2, -1]]
+    assert m["shared_index"].tolist() == [[-1] * 7]
+    assert m["segments"].tolist() == [[0, 0, 0, 1, 1, 2, 3]]  # the padding is a block of its own
+    assert m["parents"].tolist() == m["segments"].tolist()
+    assert m["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0]]  # restart in every sequence
 
 
-def test_block_causal_mask():
-    segments = torch.tensor([[0, 0, 1, 1, -1]])
-    allowed = ~block_causal_mask(segments)[0, 0]
+def test_a_packed_pair_shares_its_common_prefix():
+    prompt = [1, 2, 3]
+    chosen = (prompt + [4, 5, 6, 9], [0, 0, 0, 1, 1, 1, 1])
+    rejected = (prompt + [4, 5, 7], [0, 0, 0, 1, 1, 1])
+    m = build_micro_batches([[chosen, rejected]], pad_id=0, packed=True, pairs=True)[0][0]
+    # common prefix 1 2 3 4 5 (5 tokens): the trunk holds 4 positions (inputs 1 2 3 4, labels 2 3 4 5);
+    # position 4 (input 5) predicts 6 for chosen and 7 for rejected, so it starts both branches.
+    assert m["tokens"].tolist() == [[1, 2, 3, 4, 5, 6, 5]]
+    assert m["labels"].tolist() == [[2, 3, 4, 5, 6, 9, 7]]
+    assert m["loss_mask"].tolist() == [[0, 0, 1, 1, 1, 1, 1]]
+    assert m["sequence_index"].tolist() == [[0, 0, 0, 0, 0, 0, 1]]
+    assert m["shared_index"].tolist() == [[1, 1, 1, 1, -1, -1, -1]]  # trunk labels count for both
+    assert m["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 4]]
+    allowed = ~tree_attention_mask(m["segments"], m["parents"])[0, 0]
+    assert allowed.int().tolist() == [[1, 0, 0, 0, 0, 0, 0],
+                                      [1, 1, 0, 0, 0, 0, 0],
+                                      [1, 1, 1, 0, 0, 0, 0],
+                                      [1, 1, 1, 1, 0, 0, 0],
+                                      [1, 1, 1, 1, 1, 0, 0],  # chosen branch: trunk + itself
+                                      [1, 1, 1, 1, 1, 1, 0],
+                                      [1, 1, 1, 1, 0, 0, 1]]  # rejected branch: trunk + itself only
+
+
+def test_tree_attention_mask_rows_for_context_parallel():
+    segments = torch.tensor([[0, 0, 1, 1, 2]])
+    allowed = ~tree_attention_mask(segments, segments)[0, 0]
     assert allowed.int().tolist() == [[1, 0, 0, 0, 0],
                                       [1, 1, 0, 0, 0],
                                       [0, 0, 1, 0, 0],
                                       [0, 0, 1, 1, 0],
                                       [0, 0, 0, 0, 1]]
-    rows = block_causal_mask(segments, torch.tensor([3, 1]))  # a context-parallel rank's queries
+    rows = tree_attention_mask(segments, segments, torch.tensor([3, 1]))  # a context-parallel rank's queries
     assert rows.shape == (1, 1, 2, 5) and torch.equal(~rows[0, 0], allowed[[3, 1]])
 
 
 @pytest.fixture(scope="module")
 def model():
+    from aligner.algorithms.preference import build_policy
     from aligner.config.schema import ModelConfig
-    from aligner.models.gpt import build_gpt
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
     from omegaconf import OmegaConf
@@ -58,17 +84,23 @@ def model():
     seed_everything(5)
     cfg = OmegaConf.structured(ModelConfig)
     cfg.num_query_groups = 2
-    return build_gpt(cfg, 300)
+    return build_policy(cfg, 300)
 
 
 def _sequences(n: int, seed: int):
+    """n/2 pairs (chosen first, then rejected) whose two sequences share a prompt and part of the response."""
     g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for _ in range(n):
-        length = int(torch.randint(4, 20, (1,), generator=g))
-        start = int(torch.randint(1, length - 1, (1,), generator=g))
-        seqs.append((torch.randint(3, 300, (length,), generator=g).tolist(), [0] * start + [1] * (length - start)))
-    return seqs
+
+    def draw(low, high):
+        return torch.randint(3, 300, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+
+    chosen, rejected = [], []
+    for _ in range(n // 2):
+        prompt, common = draw(1, 8), draw(0, 6)
+        for side in (chosen, rejected):
+            ids = prompt + common + draw(1, 8)
+            side.append((ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))))
+    return chosen + rejected
 
 
 def _loss_and_grads(model, step_loss, micro):
@@ -104,7 +136,7 @@ def test_packed_equals_padded(model, algorithm):
 
     results = []
     for packed in (False, True):
-        micro, _ = build_micro_batches(groups, pad_id=0, packed=packed, capacity=40)
+        micro, _ = build_micro_batches(groups, pad_id=0, packed=packed, capacity=40, pairs=algorithm == "dpo")
         for batch in micro:
             batch["reference"] = torch.linspace(-30.0, -10.0, 8)
         if packed:

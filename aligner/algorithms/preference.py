@@ -35,11 +35,11 @@ import torch.distributed as dist
 
 from aligner.algorithms import functional as F
 from aligner.algorithms.trainer import Trainer, run_schedule
-from aligner.data.packing import block_causal_mask, build_micro_batches, with_response_mask
+from aligner.data.packing import build_micro_batches, tree_attention_mask, with_response_mask
 
 log = logging.getLogger(__name__)
 
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "sequence_index", "position_ids")
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "sequence_index", "shared_index")  # sliced for CP
 
 # (per-sequence log-prob sums [n], response token counts [n], micro-batch) -> (loss sum, count, report sums)
 SequenceLoss = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict]]
@@ -78,8 +78,10 @@ def _forward(batch: dict, model, device):
         positions = positions_on_rank(batch["tokens"].shape[1], cp, ps.get_context_parallel_rank())
         positions = positions.to(batch["tokens"].device)
     local = {k: batch[k] if positions is None else batch[k][:, positions] for k in SEQUENCE_KEYS}
-    mask = block_causal_mask(batch["segments"], positions) if batch["packed"] else None
-    return model(local["tokens"], local["position_ids"], mask), local
+    mask = tree_attention_mask(batch["segments"], batch["parents"], positions) if batch["packed"] else None
+    # whole-row positions, one set per rotary section (see `with_token_positions`); megatron slices them for CP
+    position_ids = batch["position_ids"].unsqueeze(0).expand(3, -1, -1)
+    return model(local["tokens"], position_ids, mask), local
 
 
 def _sequence_logprobs(logits, local: dict, batch: dict, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,10 +92,16 @@ def _sequence_logprobs(logits, local: dict, batch: dict, vocab_size: int) -> tup
 
     n = batch["num_sequences"]
     token_logps = vocab_parallel_logprobs(logits, local["labels"], vocab_size)
-    sums, _ = F.sequence_sums(token_logps, local["loss_mask"], local["sequence_index"], n)
+
+    def per_sequence(values, source):  # a packed pair's trunk counts for both of its sequences
+        shared = source["loss_mask"] * (source["shared_index"] >= 0)
+        return [a + b for a, b in zip(F.sequence_sums(values, source["loss_mask"], source["sequence_index"], n),
+                                      F.sequence_sums(values, shared, source["shared_index"], n))]
+
+    sums, _ = per_sequence(token_logps, local)
     if ps.get_context_parallel_world_size() > 1:
         sums = _SumOverGroup.apply(sums, ps.get_context_parallel_group())
-    _, counts = F.sequence_sums(batch["loss_mask"], batch["loss_mask"], batch["sequence_index"], n)
+    _, counts = per_sequence(batch["loss_mask"], batch)
     return sums, counts
 
 
@@ -155,6 +163,38 @@ def logprob_sums(model, micro_batches: list[dict], length: int, vocab_size: int)
     return [o["sums"] for o in outputs]
 
 
+# ---- models ----------------------------------------------------------------------------------------------
+def with_token_positions(gpt):
+    """Make a rotary GPTModel read each token's position from `position_ids` instead of its row
+    position, so that packed sequences (and the branches of a packed pair) get their own positions.
+
+    megatron's GPTModel applies rotary embeddings by row position for `rope`; its `mrope` path reads
+    per-token positions from `position_ids` [3, batch, seq] and uses section i of the frequencies from
+    position row i. With every frequency in section 0 that is plain RoPE at the given positions
+    (bitwise equal to `rope` for row positions; tests/test_packing.py). The frequencies are taken over
+    from the model, so Llama-3.1 scaling is kept. Rotary embeddings hold no weights: checkpoints do not
+    change. Returns `gpt`."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    if gpt.position_embedding_type != "rope":
+        raise ValueError(f"explicit positions need a rotary model, got position_embedding_type="
+                         f"{gpt.position_embedding_type!r}")
+    rope = gpt.rotary_pos_emb
+    explicit = MultimodalRotaryEmbedding(kv_channels=gpt.config.kv_channels, rotary_percent=1.0,
+                                         rotary_interleaved=gpt.config.rotary_interleaved)
+    explicit.inv_freq, explicit.seq_len_interpolation_factor = rope.inv_freq, rope.seq_len_interpolation_factor
+    gpt.rotary_pos_emb, gpt.position_embedding_type = explicit, "mrope"
+    gpt.mrope_section = [rope.inv_freq.numel(), 0, 0]
+    return gpt
+
+
+def build_policy(model_cfg, vocab_size: int):
+    """`build_gpt` with explicit token positions (`with_token_positions`)."""
+    from aligner.models.gpt import build_gpt
+
+    return with_token_positions(build_gpt(model_cfg, vocab_size))
+
+
 # ---- the reference model -----------------------------------------------------------------------------
 def _params(model) -> dict[str, torch.nn.Parameter]:
     from aligner.models.checkpoint import unwrap
@@ -169,10 +209,9 @@ class Reference:
 
     def __init__(self, mode: str, policy, model_cfg, vocab_size: int, pretrained: str | None):
         from aligner.models import checkpoint
-        from aligner.models.gpt import build_gpt
 
         self.mode, self.policy, self.vocab_size = mode, policy, vocab_size
-        model = build_gpt(model_cfg, vocab_size)
+        model = build_policy(model_cfg, vocab_size)
         if pretrained:
             checkpoint.load_weights(pretrained, model)
         else:
@@ -240,7 +279,7 @@ def reference_table(reference: Reference, dataset, sequences_of, micro_batch_siz
         chunk = mine[start:start + 8 * micro_batch_size]
         groups = [chunk[i:i + micro_batch_size] for i in range(0, len(chunk), micro_batch_size)]
         seqs = [_interleave([sequences_of(dataset[i]) for i in g]) for g in groups]
-        micro, length = build_micro_batches(seqs, pad_id, **packing)
+        micro, length = build_micro_batches(seqs, pad_id, pairs=k == 2, **packing)
         for g, sums in zip(groups, reference.logprob_sums(micro, length)):
             table[g] = sums.view(k, len(g)).t().to(table.dtype)
     contributes = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
@@ -349,8 +388,12 @@ class PreferenceTrainer(Trainer):
         super().resume()
 
     def micro_batches(self, groups: list[list], sequences_of) -> tuple[list[dict], int]:
-        seqs = [_interleave([sequences_of(s) for s in g]) for g in groups]
-        return build_micro_batches(seqs, self.batch_format.pad_id, multiple=self.length_multiple, **self.packing)
+        """Padded or packed micro-batches of each group's sequences; two sequences per sample (a pair,
+        or KTO's completion and its mismatched twin) share their common prefix when packed."""
+        per_sample = [[sequences_of(s) for s in g] for g in groups]
+        pairs = len(per_sample[0][0]) == 2
+        return build_micro_batches([_interleave(seqs) for seqs in per_sample], self.batch_format.pad_id,
+                                   multiple=self.length_multiple, pairs=pairs, **self.packing)
 
     def _run_schedule(self, samples, forward_only: bool) -> dict:
         from aligner.data.loader import split_for_rank
@@ -545,7 +588,7 @@ def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
     """One rank of `aligner train <dpo|orpo|simpo|kto>` with a validated config."""
     from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
     from aligner.data.tokenizer import load_tokenizer
-    from aligner.models.gpt import build_gpt, use_transformer_engine
+    from aligner.models.gpt import use_transformer_engine
     from aligner.models.training import wrap_for_training
     from aligner.observe.logs import configure_logging
     from aligner.runtime import distributed
@@ -577,7 +620,7 @@ def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
                                        rewards=getattr(algorithm, "rewards", False))
 
     train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
-    model, optimizer, scheduler = wrap_for_training(build_gpt(m, vocab_size), m, cfg.optim)
+    model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
     packing = {"packed": bool(d.packing), "capacity": (d.pack_length or d.max_length) if d.packing else None}
     mode = cfg.reference.mode if "reference" in cfg else None
     mode = getattr(mode, "value", mode)

@@ -1,42 +1,99 @@
-"""Micro-batches of token sequences, padded (one sequence per row) or packed (several per row).
+"""Micro-batches of token sequences: padded (one sequence per row) or packed (several per row), with
+the common prefix of a preference pair computed once when packed.
 
 A sequence is `(ids, mask)`: token ids and an equally long 0/1 mask of the tokens that are trained
 on (the SFT convention, `aligner.data.sft`). As in SFT, the model reads `ids[:-1]` and predicts
-`ids[1:]`, so a sequence of n tokens takes n - 1 positions, and position t has label `ids[t+1]` and
-loss mask `mask[t+1]`.
+`ids[1:]`, so a sequence of n tokens takes n - 1 positions; position t has label `ids[t+1]` and loss
+mask `mask[t+1]`.
 
 `build_micro_batches(groups, ...)` turns a step's micro-batches (`groups`, lists of sequences) into
 tensors that share one shape [rows, length] (pipeline parallelism sends fixed shapes through a step):
 * padded: a row per sequence, right-padded; `length` = the longest sequence, rounded up to `multiple`.
-* packed: each micro-batch's sequences are placed into rows of at most `capacity` positions by
-  first-fit decreasing (deterministic); every micro-batch gets the step's largest row count (extra rows
-  are empty) and `length` = the fullest row, rounded up to `multiple`.
+* packed: the micro-batch's units are placed into rows of at most `capacity` positions by first-fit
+  decreasing (deterministic); every micro-batch gets the step's largest row count (extra rows are
+  empty) and `length` = the fullest row, rounded up to `multiple`. A unit is one sequence or, with
+  `pairs=True` (the sequences are [chosen_0..chosen_{p-1}, rejected_0..rejected_{p-1}]), a pair tree:
+  the pair's common leading positions (the prompt, and any identical start of the two responses)
+  once as a trunk, then the chosen branch, then the rejected branch. Both branches attend to the
+  trunk and to themselves, never to each other, and their positions continue from the trunk's, so
+  every sequence sees exactly the context it would see alone. The trunk stops one position short of
+  the first differing token, since that position predicts different labels for the two sequences.
 Each micro-batch dict holds, all [rows, length]: `tokens`, `labels` (int64), `loss_mask` (float32),
-`sequence_index` (which of the micro-batch's sequences a position belongs to, in the order given;
--1 on padding), `segments` (a per-row segment id, -1 on padding), `position_ids` (restarting at 0 in
-each sequence), plus `num_sequences` and `packed`. Packed rows need `block_causal_mask`: a position
-attends to the earlier positions of its own sequence only, so no token sees another sample.
+`sequence_index` (which of the micro-batch's sequences a position's label belongs to, -1 on padding),
+`shared_index` (a second sequence the label also belongs to: a trunk position counts for both
+sequences of its pair; else -1), `position_ids` (the position inside its sequence), `segments` and
+`parents` (block ids for `tree_attention_mask`), plus `num_sequences` and `packed`.
 
-Why packing is exact with RoPE: megatron's GPTModel applies rotary embeddings by row position and
-does not read `position_ids` (only learned absolute embeddings do); since rotary attention scores
-depend only on the distance between two positions, a sequence that starts at row offset k gets the
-same attention as at offset 0 once the mask isolates it. Packed and padded batches therefore agree
-up to float rounding (tests/test_packing.py).
+Positions: megatron's GPTModel applies rotary embeddings by row position and ignores `position_ids`
+unless it is built for explicit positions (`aligner.algorithms.preference.with_token_positions`);
+packed batches need that model, padded ones work with either.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 TokenSequence = tuple[Sequence[int], Sequence[int]]  # (ids, mask)
+KEYS = ("tokens", "labels", "loss_mask", "sequence_index", "shared_index", "position_ids", "segments", "parents")
+
+
+@dataclass
+class Unit:
+    """Positions placed together in one row: a sequence, or a pair tree. `segments`/`parents` are
+    local block ids (0, 1, ...); a position may attend to earlier positions of its own block and of
+    its parent block."""
+
+    tokens: list = field(default_factory=list)
+    labels: list = field(default_factory=list)
+    loss_mask: list = field(default_factory=list)
+    sequence_index: list = field(default_factory=list)
+    shared_index: list = field(default_factory=list)
+    position_ids: list = field(default_factory=list)
+    segments: list = field(default_factory=list)
+    parents: list = field(default_factory=list)
+
+    def add(self, ids, mask, start: int, stop: int, index: int, shared: int, segment: int, parent: int) -> None:
+        """Positions start..stop-1 of sequence `ids` (inputs ids[t], labels ids[t+1])."""
+        n = stop - start
+        self.tokens += ids[start:stop]
+        self.labels += ids[start + 1:stop + 1]
+        self.loss_mask += mask[start + 1:stop + 1]
+        self.sequence_index += [index] * n
+        self.shared_index += [shared] * n
+        self.position_ids += range(start, stop)
+        self.segments += [segment] * n
+        self.parents += [parent] * n
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def sequence_unit(ids, mask, index: int) -> Unit:
+    unit = Unit()
+    unit.add(list(ids), list(mask), 0, len(ids) - 1, index, -1, 0, 0)
+    return unit
+
+
+def pair_unit(chosen: TokenSequence, rejected: TokenSequence, chosen_index: int, rejected_index: int) -> Unit:
+    (c, cm), (r, rm) = (list(x) for x in chosen), (list(x) for x in rejected)
+    common = 0
+    while common < min(len(c), len(r)) and c[common] == r[common] and cm[common] == rm[common]:
+        common += 1
+    trunk = max(min(common, len(c) - 1, len(r) - 1) - 1, 0)  # positions whose labels agree
+    unit = Unit()
+    unit.add(c, cm, 0, trunk, chosen_index, rejected_index, 0, 0)
+    unit.add(c, cm, trunk, len(c) - 1, chosen_index, -1, 1, 0)
+    unit.add(r, rm, trunk, len(r) - 1, rejected_index, -1, 2, 0)
+    return unit
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Bins of indices into `lengths`, each bin's total at most `capacity`: longest first, each into
     the first bin it fits (ties keep the input order; bins list their indices in ascending order)."""
     if any(n > capacity for n in lengths):
-        raise ValueError(f"a sequence of {max(lengths)} positions does not fit in a row of {capacity}")
+        raise ValueError(f"a unit of {max(lengths)} positions does not fit in a row of {capacity}")
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -51,66 +108,69 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return [sorted(b) for b in bins]
 
 
+def _units(group: Sequence[TokenSequence], packed: bool, pairs: bool) -> list[Unit]:
+    if any(len(ids) < 2 for ids, _ in group):
+        raise ValueError("every sequence needs at least 2 tokens (one input and its label)")
+    if packed and pairs:
+        p = len(group) // 2
+        return [pair_unit(group[i], group[p + i], i, p + i) for i in range(p)]
+    return [sequence_unit(ids, mask, i) for i, (ids, mask) in enumerate(group)]
+
+
 def _round_up(n: int, multiple: int) -> int:
     return max(-(-n // multiple) * multiple, multiple)
 
 
-def _layout(group: Sequence[TokenSequence], packed: bool, capacity: int) -> list[list[int]]:
-    lengths = [len(ids) - 1 for ids, _ in group]
-    if any(n < 1 for n in lengths):
-        raise ValueError("every sequence needs at least 2 tokens (one input and its label)")
-    return first_fit_decreasing(lengths, capacity) if packed else [[i] for i in range(len(group))]
-
-
 def build_micro_batches(groups: Sequence[Sequence[TokenSequence]], pad_id: int, packed: bool = False,
-                        capacity: int | None = None, multiple: int = 1) -> tuple[list[dict], int]:
+                        capacity: int | None = None, multiple: int = 1, pairs: bool = False) -> tuple[list[dict], int]:
     """(micro-batch dicts, length) for a step; see the module doc. `capacity` (packed only) is the
-    most positions a row holds; it defaults to the longest sequence of the step."""
-    longest = max(len(ids) - 1 for group in groups for ids, _ in group)
+    most positions a row holds; it is raised to the largest unit of the step when smaller."""
+    units = [_units(group, packed, pairs) for group in groups]
+    longest = max(len(u) for us in units for u in us)
     capacity = max(capacity or longest, longest)
-    layouts = [_layout(group, packed, capacity) for group in groups]
+    layouts = [first_fit_decreasing([len(u) for u in us], capacity) if packed else [[i] for i in range(len(us))]
+               for us in units]
     rows = max(len(layout) for layout in layouts)
-    fill = max(sum(len(group[i][0]) - 1 for i in row) for group, layout in zip(groups, layouts) for row in layout)
+    fill = max(sum(len(us[i]) for i in row) for us, layout in zip(units, layouts) for row in layout)
     length = _round_up(fill, multiple)
-    return [_fill(group, layout, rows, length, pad_id, packed) for group, layout in zip(groups, layouts)], length
+    batches = [_fill(us, layout, rows, length, pad_id) for us, layout in zip(units, layouts)]
+    for batch, group in zip(batches, groups):
+        batch.update(num_sequences=len(group), packed=packed)
+    return batches, length
 
 
-def _fill(group, layout, rows: int, length: int, pad_id: int, packed: bool) -> dict:
-    tokens = torch.full((rows, length), pad_id, dtype=torch.int64)
-    labels = torch.full((rows, length), pad_id, dtype=torch.int64)
-    loss_mask = torch.zeros((rows, length), dtype=torch.float32)
-    sequence_index = torch.full((rows, length), -1, dtype=torch.int64)
-    segments = torch.full((rows, length), -1, dtype=torch.int64)
-    position_ids = torch.zeros((rows, length), dtype=torch.int64)
+def _fill(units: list[Unit], layout: list[list[int]], rows: int, length: int, pad_id: int) -> dict:
+    fills = {"tokens": pad_id, "labels": pad_id, "sequence_index": -1, "shared_index": -1, "position_ids": 0}
+    data = {k: torch.full((rows, length), fills.get(k, 0), dtype=torch.float32 if k == "loss_mask" else torch.int64)
+            for k in KEYS}
     for row, members in enumerate(layout):
-        at = 0
-        for segment, i in enumerate(members):
-            ids, mask = group[i]
-            n = len(ids) - 1
-            span = slice(at, at + n)
-            tokens[row, span] = torch.as_tensor(ids[:-1], dtype=torch.int64)
-            labels[row, span] = torch.as_tensor(ids[1:], dtype=torch.int64)
-            loss_mask[row, span] = torch.as_tensor(mask[1:], dtype=torch.float32)
-            sequence_index[row, span] = i
-            segments[row, span] = segment
-            position_ids[row, span] = torch.arange(n)
-            at += n
-        position_ids[row, at:] = torch.arange(length - at)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "sequence_index": sequence_index,
-            "segments": segments, "position_ids": position_ids, "num_sequences": len(group), "packed": packed}
+        at, blocks = 0, 0
+        for i in members:
+            unit = units[i]
+            span = slice(at, at + len(unit))
+            for key in KEYS:
+                values = torch.as_tensor(getattr(unit, key), dtype=data[key].dtype)
+                data[key][row, span] = values + blocks if key in ("segments", "parents") else values
+            blocks += max(unit.segments) + 1
+            at += len(unit)
+        data["segments"][row, at:] = data["parents"][row, at:] = blocks  # padding: one block of its own
+        data["position_ids"][row, at:] = torch.arange(length - at)
+    return data
 
 
-def block_causal_mask(segments: torch.Tensor, query_positions: torch.Tensor | None = None) -> torch.Tensor:
+def tree_attention_mask(segments: torch.Tensor, parents: torch.Tensor,
+                        query_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Attention mask for packed rows, True where attention is NOT allowed (megatron's convention):
-    [rows, 1, queries, length]. A query at row position q may attend to key k iff k <= q and both
-    are in the same segment (padding, segment -1, attends causally within the padding).
-    `query_positions` selects the query rows (a context-parallel rank's positions); default all."""
+    [rows, 1, queries, length]. A query at row position q may attend to key k iff k <= q and k is in
+    q's block or in q's parent block (a pair branch sees its trunk). `query_positions` selects the
+    query rows (a context-parallel rank's positions); default all."""
     length = segments.shape[1]
     keys = torch.arange(length, device=segments.device)
     queries = keys if query_positions is None else query_positions.to(segments.device)
     future = keys[None, :] > queries[:, None]  # [q, k]
-    other = segments[:, queries, None] != segments[:, None, :]  # [rows, q, k]
-    return (future[None] | other).unsqueeze(1)
+    own = segments[:, queries, None] == segments[:, None, :]  # [rows, q, k]
+    parent = parents[:, queries, None] == segments[:, None, :]
+    return (future[None] | ~(own | parent)).unsqueeze(1)
 
 
 def with_response_mask(ids: Sequence[int], start: int) -> TokenSequence:
