@@ -189,10 +189,14 @@ def with_token_positions(gpt):
 
 
 def build_policy(model_cfg, vocab_size: int):
-    """`build_gpt` with explicit token positions (`with_token_positions`)."""
+    """`build_gpt` with explicit token positions (`with_token_positions`) and, on the local layer
+    spec, torch's fused attention kernel (`aligner.models.sdpa_attention`)."""
     from aligner.models.gpt import build_gpt
+    from aligner.models.sdpa_attention import use_fused_attention
 
-    return with_token_positions(build_gpt(model_cfg, vocab_size))
+    gpt = with_token_positions(build_gpt(model_cfg, vocab_size))
+    use_fused_attention(gpt)
+    return gpt
 
 
 # ---- the reference model -----------------------------------------------------------------------------
@@ -621,7 +625,7 @@ def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
 
     train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
     model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
-    packing = {"packed": bool(d.packing), "capacity": (d.pack_length or d.max_length) if d.packing else None}
+    packing = {"packed": bool(d.packing), "capacity": d.pack_length}
     mode = cfg.reference.mode if "reference" in cfg else None
     mode = getattr(mode, "value", mode)
     trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, make_sequence_forward_step(algorithm.loss, vocab_size),

@@ -218,7 +218,7 @@ class VerifierServeConfig:
 class PreferenceDataConfig(DataConfig):
     overlong: str = "drop"  # drop | truncate (keeps the start; needs a response token left)
     packing: bool = False  # several sequences per row with block-causal attention (local layer spec)
-    pack_length: Optional[int] = None  # positions per packed row; None = data.max_length
+    pack_length: Optional[int] = None  # most positions in a packed row; None = the step's longest sequence or pair
 
 
 class ReferenceMode(Enum):
