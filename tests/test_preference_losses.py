@@ -99,6 +99,9 @@ def test_orpo_hand_computed():
     assert F.log_odds(torch.tensor([-0.5, -1.0])).tolist() == pytest.approx([0.432752, -0.541325], abs=1e-6)
     assert loss.item() == pytest.approx(0.5 + 0.1 * softplus(-0.974077), abs=1e-6)
     assert loss.item() == pytest.approx(0.532030, abs=1e-6)
+    certain = torch.tensor([0.0], requires_grad=True)  # every token at probability 1 in float32
+    F.orpo_loss(certain, torch.tensor([-1.0]), 0.1).sum().backward()
+    assert torch.isfinite(certain.grad).all()
 
 
 def test_simpo_hand_computed():

@@ -108,8 +108,10 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
 
 
 def log_odds(mean_logps: torch.Tensor) -> torch.Tensor:
-    """log(p / (1 - p)) for p = exp(mean_logps) < 1, computed as mean_logps - log(-expm1(mean_logps))."""
-    return mean_logps - torch.log(-torch.expm1(mean_logps))
+    """log(p / (1 - p)) for p = exp(mean_logps), computed as x - log(-expm1(x)) with x capped at
+    -1e-6: a mean log-prob that rounds to 0 (p = 1 in float32) would otherwise give an infinite odds."""
+    x = mean_logps.clamp(max=-1e-6)
+    return x - torch.log(-torch.expm1(x))
 
 
 def orpo_loss(chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tensor,
