@@ -56,55 +56,43 @@ def timed(fn, seconds: float) -> list[float]:
     return latencies
 
 
-def in_process(ckpt: Path, batches: dict, seconds: float, threads: int) -> dict:
+def served_sequential(port: int, inputs: dict, seconds: float) -> list[float]:
+    from aligner.servers.client import EndpointClient
+
+    endpoint = EndpointClient("127.0.0.1", port, "reward_model")
+    return timed(lambda: endpoint.call(inputs), seconds)
+
+
+def served_concurrent(port: int, inputs: dict, rows: int, seconds: float, clients: int) -> float:
+    """rows/s with `clients` threads sending back to back (the dynamic batcher may merge them)."""
+    from aligner.servers.client import EndpointClient
+
+    done, stop = [0] * clients, threading.Event()
+
+    def client(i):
+        own = EndpointClient("127.0.0.1", port, "reward_model")
+        while not stop.is_set():
+            own.call(inputs)
+            done[i] += 1
+
+    workers = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    time.sleep(seconds)
+    stop.set()
+    for w in workers:
+        w.join()
+    return sum(done) * rows / (time.perf_counter() - start)
+
+
+def main() -> None:
     from types import SimpleNamespace
 
     from aligner.models.checkpoint import load_weights
     from aligner.models.hf_convert import single_process
     from aligner.servers.engine import build_scalar_model, forward_rows, last_token_head
-
-    torch.set_num_threads(threads)
-    results = {}
-    with single_process():
-        parallel = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, params_dtype=None)
-        model, _, _ = build_scalar_model(ckpt, parallel, 1)
-        load_weights(ckpt, model)
-        model.eval()
-        for b, (tokens, lengths) in batches.items():
-            t, n = torch.from_numpy(tokens), torch.from_numpy(lengths[:, 0])
-            results[b] = timed(lambda: forward_rows(model, t, n, max(BATCHES), last_token_head, (1,)), seconds)
-    return results
-
-
-def served(port: int, batches: dict, seconds: float, clients: int) -> tuple[dict, dict]:
-    from aligner.servers.client import EndpointClient
-
-    sequential, concurrent = {}, {}
-    for b, (tokens, lengths) in batches.items():
-        endpoint = EndpointClient("127.0.0.1", port, "reward_model")
-        inputs = {"tokens": tokens, "sequence_lengths": lengths}
-        sequential[b] = timed(lambda: endpoint.call(inputs), seconds)
-        done, stop = [0] * clients, threading.Event()
-
-        def client(i):
-            own = EndpointClient("127.0.0.1", port, "reward_model")
-            while not stop.is_set():
-                own.call(inputs)
-                done[i] += 1
-
-        workers = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-        start = time.perf_counter()
-        for w in workers:
-            w.start()
-        time.sleep(seconds)
-        stop.set()
-        for w in workers:
-            w.join()
-        concurrent[b] = sum(done) * b / (time.perf_counter() - start)
-    return sequential, concurrent
-
-
-def main() -> None:
+    from aligner.runtime.seeding import seed_everything
     from aligner.servers.process import ServerProcess, free_port_block
 
     parser = argparse.ArgumentParser()
@@ -122,14 +110,26 @@ def main() -> None:
     rng = random.Random(0)
     batches = {b: (np.array([[rng.randrange(10, 512) for _ in range(args.length)] for _ in range(b)], dtype=np.int64),
                    np.full((b, 1), args.length, dtype=np.int64)) for b in BATCHES}
-    local = in_process(ckpt, batches, args.seconds, args.threads)
     port = free_port_block()
     server = ServerProcess("reward", [f"checkpoint={ckpt}", f"launcher.threads_per_rank={args.threads}",
                                       f"server.forward_micro_batch_size={max(BATCHES)}",
                                       f"server.max_queue_delay_us={args.queue_delay_us}"], root / "server", port=port)
+    torch.set_num_threads(args.threads)
+    local, sequential, concurrent = {}, {}, {}
     try:
         server.start().wait_ready(180)
-        sequential, concurrent = served(port, batches, args.seconds, args.clients)
+        with single_process():  # the same checkpoint in this process; each batch size measured both ways in turn
+            seed_everything(0)
+            parallel = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, params_dtype=None)
+            model, _, _ = build_scalar_model(ckpt, parallel, 1)
+            load_weights(ckpt, model)
+            model.eval()
+            for b, (tokens, lengths) in batches.items():
+                t, n = torch.from_numpy(tokens), torch.from_numpy(lengths[:, 0])
+                local[b] = timed(lambda: forward_rows(model, t, n, max(BATCHES), last_token_head, (1,)), args.seconds)
+                inputs = {"tokens": tokens, "sequence_lengths": lengths}
+                sequential[b] = served_sequential(port, inputs, args.seconds)
+                concurrent[b] = served_concurrent(port, inputs, b, args.seconds, args.clients)
     finally:
         server.stop()
     print(f"tiny reward model, {args.length} tokens/row, {args.threads} torch thread(s), {args.clients} concurrent "
