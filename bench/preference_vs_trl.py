@@ -38,8 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TRL_PYTHON = os.environ.get("ALIGNER_TRL_PYTHON", "/tmp/trl-venv/bin/python")
 TRL_BENCH_DIR = Path(os.environ.get("ALIGNER_TRL_BENCH_DIR", REPO.parent / "shared" / "reference" / "bench-trl"))
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true"}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true"}
 
 
 def _busy_seconds() -> float:
@@ -97,7 +97,8 @@ def prepare(out: Path, threads: int) -> dict:
     return {"art": art, "trl_home": trl_home}
 
 
-def run_trl(name: str, script: str, paths: dict, out: Path, steps: int, warmup: int, threads: int, attempt: int) -> dict:
+def run_trl(name: str, script: str, paths: dict, out: Path, steps: int, warmup: int, threads: int,
+            attempt: int) -> dict:
     results = out / "trl_results" / str(attempt)
     env = {**os.environ, **OFFLINE, "TRL_BENCH_HOME": str(paths["trl_home"]), "TRL_BENCH_RESULTS": str(results),
            "BENCH_STEPS": str(steps), "BENCH_WARMUP": str(warmup), "BENCH_THREADS": str(threads),
@@ -119,8 +120,8 @@ def run_aligner(name: str, command: str, extra: list[str], paths: dict, out: Pat
                  "trainer.global_batch_size=16", "trainer.micro_batch_size=16", "trainer.seed=1234",
                  "trainer.save_last=false", "data.max_length=256", "logging.progress=false",
                  "logging.tensorboard=false", f"launcher.threads_per_rank={threads}", "optim.lr=1e-5",
-                 "optim.scheduler=constant", "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.adam_beta1=0.9",
-                 "optim.adam_beta2=0.999", "optim.adam_eps=1e-8", "optim.clip_grad=1.0", *extra]
+                 "optim.min_lr=1e-6", "optim.scheduler=constant", "optim.warmup_steps=0", "optim.weight_decay=0.0",
+                 "optim.adam_beta1=0.9", "optim.adam_beta2=0.999", "optim.adam_eps=1e-8", "optim.clip_grad=1.0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if run_dir.exists():
         import shutil
@@ -133,18 +134,22 @@ def run_aligner(name: str, command: str, extra: list[str], paths: dict, out: Pat
     step = [m["timing/step_s"] for m in metrics]
     tokens = [m["throughput/tokens_per_s"] * m["timing/step_s"] for m in metrics]
     return {"step_s": statistics.median(step), "min_step_s": min(step),
-            "cpu_step_s": (cpu[steps - 1] - cpu[warmup - 1]) / (steps - warmup), "tokens_per_step": statistics.mean(tokens),
+            "cpu_step_s": (cpu[steps - 1] - cpu[warmup - 1]) / (steps - warmup),
+            "tokens_per_step": statistics.mean(tokens),
             "tokens_per_s": statistics.median(m["throughput/tokens_per_s"] for m in metrics), **load}
 
 
 def cases(paths: dict, out: Path) -> dict:
-    dpo = ["dpo.beta=0.1", "dpo.loss_type=sigmoid", "reference.mode=model",
-           f"model.pretrained={out / 'policy_mcore'}"]
+    dpo = ["dpo.beta=0.1", "dpo.loss_type=sigmoid", f"model.pretrained={out / 'policy_mcore'}"]
     rm = ["rm.loss=bt", f"model.pretrained={out / 'reward_mcore'}"]
     return {  # name -> (task, runner args)
         "trl_dpo": ("dpo", ("trl", "bench_dpo.py")),
-        "aligner_dpo": ("dpo", ("aligner", "dpo", dpo)),
-        "aligner_dpo_packed": ("dpo", ("aligner", "dpo", dpo + ["data.packing=true"])),
+        "aligner_dpo": ("dpo", ("aligner", "dpo", dpo + ["reference.mode=model"])),
+        "aligner_dpo_packed": ("dpo", ("aligner", "dpo", dpo + ["reference.mode=model", "data.packing=true"])),
+        # not the peer's configuration (its reference runs every step): reference log-probs computed
+        # once before training, as TRL's precompute_ref_log_probs=True would; that pass is not timed
+        "aligner_dpo_packed_precomputed_ref": ("dpo", ("aligner", "dpo", dpo + ["data.packing=true",
+                                                                                "reference.mode=precompute"])),
         "trl_reward": ("rm", ("trl", "bench_reward.py")),
         "aligner_rm": ("rm", ("aligner", "rm", rm)),
     }

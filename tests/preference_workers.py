@@ -146,6 +146,7 @@ def parallel(workdir: Path, tokenizer_path: str, layouts: dict) -> None:
     for name, (layout, cases) in layouts.items():
         for case in cases:
             result = run_case(workdir, tokenizer_path, case, layout)
+            params = result["param_objects"]
             # The trainer shares the metrics with every pipeline stage. At step 1 every pair is a tie
             # (policy == reference), so float noise may flip its accuracy: it is compared from step 2 on.
             diffs = {"metrics": max(abs(a[k] - b[k]) for i, (a, b) in enumerate(zip(result["metrics"],
@@ -154,7 +155,7 @@ def parallel(workdir: Path, tokenizer_path: str, layouts: dict) -> None:
             diffs["grad_norm"] = max(abs(a["grad_norm"] - b["grad_norm"])
                                      for a, b in zip(result["metrics"], ref[case]["metrics"]))
             for key in ("grads", "params"):
-                diffs[key] = max((value - my_shard_of(n, ref[case][key][n], result["param_objects"][n])).abs().max().item()
+                diffs[key] = max((value - my_shard_of(n, ref[case][key][n], params[n])).abs().max().item()
                                  for n, value in result[key].items())
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, diffs)

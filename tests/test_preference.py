@@ -1,8 +1,6 @@
 """Preference optimisation end to end through the CLI: DPO learning a synthetic preference task
 (held-out accuracy well above chance), bitwise resume with packing and cached reference log-probs,
 KTO moving its metrics the right way, ORPO and SimPO runs, and errors before or at start-up."""
-import json
-
 import pytest
 
 from aligner.data.preference import synthetic_preferences, synthetic_unpaired, write_jsonl

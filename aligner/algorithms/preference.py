@@ -232,7 +232,8 @@ class Reference:
         model.eval()
         if mode == "cpu_swap":
             self.weights = {n: p.detach().to("cpu", copy=True) for n, p in _params(model).items()}
-            self.backup = {n: torch.empty_like(w, pin_memory=torch.cuda.is_available()) for n, w in self.weights.items()}
+            pinned = torch.cuda.is_available()
+            self.backup = {n: torch.empty_like(w, pin_memory=pinned) for n, w in self.weights.items()}
             self.model = None
         else:
             self.model = model
@@ -628,8 +629,9 @@ def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
     packing = {"packed": bool(d.packing), "capacity": d.pack_length}
     mode = cfg.reference.mode if "reference" in cfg else None
     mode = getattr(mode, "value", mode)
-    trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, make_sequence_forward_step(algorithm.loss, vocab_size),
-                                train, val, PreferenceFormat(algorithm, tokenizer.pad_token_id), vocab_size, tokenizer,
+    step = make_sequence_forward_step(algorithm.loss, vocab_size)
+    trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, step, train, val,
+                                PreferenceFormat(algorithm, tokenizer.pad_token_id), vocab_size, tokenizer,
                                 algorithm=algorithm, reference_mode=mode, packing=packing)
     trainer.fit()
     distributed.shutdown()
