@@ -4,8 +4,11 @@ import pytest
 from aligner.launch.local import RankFailed, launch
 
 
-def test_ranks_get_torchrun_environment(tmp_path):
+def test_ranks_get_torchrun_environment(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     launch("tests.launch_workers:write_rank", [str(tmp_path)], 3)
+    assert list((tmp_path / "tmp").iterdir()) == []  # its own log directory is removed on success
     files = sorted(p.name for p in tmp_path.glob("rank*"))
     assert files == ["rank0_of_3", "rank1_of_3", "rank2_of_3"]
     assert len({p.read_text() for p in tmp_path.glob("rank*")}) == 1  # one master port

@@ -8,6 +8,7 @@ stopped and that rank's traceback is printed, so the user sees the first real er
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +48,7 @@ def _stop(procs, grace_s: float = 10.0) -> None:
 def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None = None,
            master_port: int | None = None, threads_per_rank: int = 1) -> None:
     """Run `entry` (module:function taking argv) on `nproc` local ranks; raise RankFailed on failure."""
+    own_log_dir = log_dir is None  # a directory we made is ours to remove once every rank succeeded
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="aligner-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     port = master_port or free_port()
@@ -86,6 +88,8 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
             signal.signal(s, handler)
         for f in logs:
             f.close()
+    if own_log_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _failure_report(rank: int, code: int, log_dir: Path) -> str:
