@@ -14,16 +14,16 @@ from tests.conftest import read_metrics, run_cli
 
 # ---- pure losses -----------------------------------------------------------------------------------
 def test_bradley_terry_hand_computed():
-    from aligner.algorithms.reward_model import bradley_terry_loss
+    from aligner.algorithms.reward_model import pair_loss
 
     chosen, rejected = torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 0.5, 1.0])
-    loss, report = bradley_terry_loss(chosen, rejected)
+    loss, report = pair_loss(chosen, rejected)
     expected = -(math.log(1 / (1 + math.exp(-1.0))) + math.log(1 / (1 + math.exp(0.5))) + math.log(0.5))
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert report["accuracy"].item() == 1.5  # one win, one loss, one tie (1/2)
     assert report["reward/margin"].item() == pytest.approx(0.5)
     assert report["reward/chosen"].item() == 3.0 and report["reward/rejected"].item() == 2.5
-    margin_loss, _ = bradley_terry_loss(chosen, rejected, torch.tensor([1.0, 0.0, 0.0]))
+    margin_loss, _ = pair_loss(chosen, rejected, torch.tensor([1.0, 0.0, 0.0]))
     assert margin_loss.item() == pytest.approx(expected + math.log(1 / (1 + math.exp(-1.0))) - math.log(0.5))
 
 
@@ -35,6 +35,18 @@ def test_regression_loss_masks_missing_labels():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     loss, count, report = regression_loss(predicted, labels, mask)
     assert loss.item() == 1.0 + 0.0 + 4.0 and count.item() == 3 and report["abs_error"].item() == 3.0
+    labels[1, 1] = float("nan")  # an unlabelled attribute's placeholder never reaches the loss
+    assert regression_loss(predicted, labels, mask)[0].item() == 5.0
+
+
+def test_clipped_value_loss_hand_computed():
+    from aligner.algorithms.functional import clipped_value_loss
+
+    values, old, returns = torch.tensor([[1.0, 0.0, 0.5]]), torch.tensor([[0.0, 0.0, 0.4]]), torch.tensor([[1.0, 2.0, 0.0]])
+    loss, clipped = clipped_value_loss(values, old, returns, clip=0.2)
+    # token 0: V=1 -> V_clip=0.2, max((0)^2, (0.8)^2)/2 = 0.32, clipped term larger
+    # token 1: V=V_old=0 -> both (2)^2, 2.0, not clipped; token 2: V_clip=0.5 (within 0.4+-0.2) -> 0.125
+    assert torch.allclose(loss, torch.tensor([[0.32, 2.0, 0.125]])) and clipped.tolist() == [[1.0, 0.0, 0.0]]
 
 
 def test_sequence_scores_read_the_last_token():

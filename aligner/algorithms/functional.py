@@ -151,3 +151,28 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: tor
     r = policy_logps - ref_logps
     return torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (r - kl))),
                        undesirable_weight * (1 - torch.sigmoid(beta * (kl - r))))
+
+
+# ---- reward models and critics -----------------------------------------------------------------------
+def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                       margins: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair Bradley-Terry loss -log sigmoid(r_c - r_r) on 1-D reward tensors. With `margins`
+    this is margin-BT (Llama 2, Touvron et al. 2023, eq. 2): -log sigmoid(r_c - r_r - m)."""
+    delta = chosen_rewards - rejected_rewards
+    return -torch.nn.functional.logsigmoid(delta if margins is None else delta - margins)
+
+
+def masked_squared_error(predicted: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(predicted - label)^2 where `mask` is 1, exactly 0 elsewhere (an unlabelled attribute may hold
+    any placeholder, even NaN). All [batch, attributes] (SteerLM / HelpSteer regression RMs)."""
+    return torch.where(mask.bool(), (predicted - labels).pow(2), torch.zeros_like(predicted))
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO value loss (Schulman et al. 2017; OpenAI baselines, NeMo-Aligner): with
+    V_clip = V_old + clamp(V - V_old, -clip, clip), loss = 1/2 max((V - R)^2, (V_clip - R)^2).
+    Returns (loss [b, s], clipped [b, s]: 1.0 where the clipped term was the larger one)."""
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped_error, clipped_error = (values - returns).pow(2), (clipped_values - returns).pow(2)
+    return 0.5 * torch.maximum(unclipped_error, clipped_error), (clipped_error > unclipped_error).float()

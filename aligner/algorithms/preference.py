@@ -36,6 +36,7 @@ import torch.distributed as dist
 from aligner.algorithms import functional as F
 from aligner.algorithms.trainer import Trainer, run_schedule
 from aligner.data.packing import build_micro_batches, tree_attention_mask, with_response_mask
+from aligner.runtime.distributed import sum_over_group
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +47,6 @@ SequenceLoss = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, 
 
 
 # ---- forward steps -----------------------------------------------------------------------------------
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) forward, identity backward (see the module doc)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, group=group)
-        return tensor
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
@@ -100,7 +87,7 @@ def _sequence_logprobs(logits, local: dict, batch: dict, vocab_size: int) -> tup
 
     sums, _ = per_sequence(token_logps, local)
     if ps.get_context_parallel_world_size() > 1:
-        sums = _SumOverGroup.apply(sums, ps.get_context_parallel_group())
+        sums = sum_over_group(sums, ps.get_context_parallel_group())
     _, counts = per_sequence(batch["loss_mask"], batch)
     return sums, counts
 

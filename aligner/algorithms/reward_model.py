@@ -7,7 +7,7 @@ rows and the rejected ones in the second, so one forward pass scores both. Under
 parallelism each rank holds two chunks of every sequence: the rank holding a sequence's last token
 contributes its score and the scores are summed over the CP group.
 
-Loss conventions (pure functions below; the trainer divides sums by the global count):
+Loss conventions (the maths is in `functional`; the trainer divides sums by the global count):
 * `bt`:         -log sigmoid(r_chosen - r_rejected), summed over pairs; count = pairs.
 * `margin_bt`:  -log sigmoid(r_chosen - r_rejected - margin), margin from each record (default 0).
 * `regression`: squared error over labelled (sample, attribute) entries; count = labelled entries.
@@ -20,30 +20,29 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from aligner.algorithms import functional as F
 from aligner.algorithms.trainer import Trainer
 from aligner.observe.logs import configure_logging
+from aligner.runtime.distributed import sum_over_group
 
 
-# ---- pure losses --------------------------------------------------------------------------------
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor | None = None):
-    """chosen, rejected, margins: [pairs] -> (loss sum, report sums). With `margins` this is the
-    margin-BT loss (Llama-2 RM, Touvron et al. 2023, eq. 2): -log sigmoid(r_c - r_r - m)."""
-    delta = chosen - rejected
-    shifted = delta if margins is None else delta - margins
-    loss = -F.logsigmoid(shifted).sum()
-    report = {"loss": loss.detach(), "accuracy": ((delta > 0).float() + 0.5 * (delta == 0).float()).sum(),
-              "reward/margin": delta.detach().sum(), "reward/chosen": chosen.detach().sum(),
+# ---- losses and reports ---------------------------------------------------------------------------
+def pair_loss(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor | None = None):
+    """chosen, rejected, margins: [pairs] -> (BT loss sum, report sums)."""
+    loss = F.bradley_terry_loss(chosen, rejected, margins).sum()
+    delta = (chosen - rejected).detach()
+    report = {"loss": loss.detach(), "accuracy": F.preference_accuracy(chosen.detach(), rejected.detach()).sum(),
+              "reward/margin": delta.sum(), "reward/chosen": chosen.detach().sum(),
               "reward/rejected": rejected.detach().sum()}
     return loss, report
 
 
 def regression_loss(predicted: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
     """predicted, labels, mask: [b, attributes] -> (squared-error sum, count, report sums)."""
-    error = (predicted - labels) * mask
-    loss = error.pow(2).sum()
-    return loss, mask.sum(), {"loss": loss.detach(), "abs_error": error.detach().abs().sum()}
+    squared = F.masked_squared_error(predicted, labels, mask)
+    loss = squared.sum()
+    return loss, mask.sum(), {"loss": loss.detach(), "abs_error": squared.detach().sqrt().sum()}
 
 
 # ---- batches ------------------------------------------------------------------------------------
@@ -93,21 +92,6 @@ class RegressionFormat:
 
 
 # ---- forward step ---------------------------------------------------------------------------------
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce sum forward, identity backward: every rank computes the same loss from the summed
-    scores, and each rank's gradient reaches only the positions it holds."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        tensor = tensor.clone()
-        torch.distributed.all_reduce(tensor, group=group)
-        return tensor
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def sequence_scores(values: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Head outputs at each sequence's last token. values [b, s_local, k] at global `positions`
     [s_local] (this CP rank's chunks) -> [b, k], summed over the context-parallel group."""
@@ -119,7 +103,7 @@ def sequence_scores(values: torch.Tensor, lengths: torch.Tensor, positions: torc
         return last_token_scores(values, lengths)
     at_last = (positions.view(1, -1) == (lengths.view(-1, 1) - 1)).to(values.dtype)
     local = (values * at_last.unsqueeze(-1)).sum(1)
-    return _SumOverGroup.apply(local, ps.get_context_parallel_group())
+    return sum_over_group(local, ps.get_context_parallel_group())
 
 
 def make_rm_forward_step(kind: str):
@@ -148,7 +132,7 @@ def make_rm_forward_step(kind: str):
             else:
                 pairs = scores.shape[0] // 2
                 chosen, rejected = scores[:pairs, 0], scores[pairs:, 0]
-                loss, report = bradley_terry_loss(chosen, rejected, batch["margins"] if use_margins else None)
+                loss, report = pair_loss(chosen, rejected, batch["margins"] if use_margins else None)
                 count = torch.tensor(float(pairs), device=scores.device)
             # Every CP rank computes the same loss; the count and the reports come from CP rank 0 once.
             keep = 1.0 if cp_rank == 0 else 0.0
@@ -203,22 +187,8 @@ class RewardModelTrainer(Trainer):
     language-model (or reward) checkpoint's weights."""
 
     def __init__(self, *args, head_meta: dict, **kwargs):
-        super().__init__(*args, head="reward", **kwargs)
+        super().__init__(*args, head="reward", extra_meta={"scalar_head": head_meta}, **kwargs)
         self.head_meta = head_meta
-
-    def save(self) -> None:
-        from aligner.models import checkpoint
-        from aligner.runtime.seeding import rng_state
-
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
-        path = checkpoint.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}", self.model,
-                                          self.cfg.model, self.vocab_size, optimizer=self.optimizer,
-                                          trainer_state=state, rank_state=rng_state(), tokenizer=self.tokenizer,
-                                          head="reward", extra_meta={"scalar_head": self.head_meta})
-        if self.is_logger:
-            import logging
-
-            logging.getLogger(__name__).info("saved checkpoint %s", path)
 
     def resume(self) -> None:
         from aligner.models import checkpoint

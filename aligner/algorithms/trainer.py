@@ -70,7 +70,7 @@ def run_schedule(model, forward_step, micro_batches: list[dict], seq_length: int
 
 class Trainer:
     def __init__(self, cfg, model, optimizer, scheduler, forward_step, train_data, val_data, batch_format,
-                 vocab_size: int, tokenizer=None, head: str = "lm"):
+                 vocab_size: int, tokenizer=None, head: str = "lm", extra_meta: dict | None = None):
         from megatron.core import parallel_state as ps
 
         from aligner.data.loader import GlobalBatchSampler
@@ -78,6 +78,7 @@ class Trainer:
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.forward_step, self.train_data, self.val_data = forward_step, train_data, val_data
         self.batch_format, self.vocab_size, self.tokenizer, self.head = batch_format, vocab_size, tokenizer, head
+        self.extra_meta = extra_meta  # kept in each checkpoint's metadata (e.g. a reward head's attributes)
         self.run_dir = Path(cfg.run_dir)
         self.step = 0
         t = cfg.trainer
@@ -143,7 +144,7 @@ class Trainer:
         path = checkpoint.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}", self.model,
                                           self.cfg.model, self.vocab_size, optimizer=self.optimizer,
                                           trainer_state=state, rank_state=rng_state(), tokenizer=self.tokenizer,
-                                          head=self.head)
+                                          head=self.head, extra_meta=self.extra_meta)
         if self.is_logger:
             log.info("saved checkpoint %s", path)
 

@@ -100,5 +100,24 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce (sum) forward, identity backward. For partial sums that every rank of `group` turns
+    into the same loss (context parallelism): each rank's gradient then reaches only the positions it
+    holds, and the data-parallel gradient all-reduce over DP x CP adds the parts up once."""
+    return _SumOverGroup.apply(tensor, group)
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from aligner.algorithms import functional as F
 from aligner.servers.common import Job, RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
     max_length, run_job, split_outputs
 from aligner.servers.engine import REWARD, SAVE, TRAIN, VALUES, build_scalar_model, forward_rows, last_token_head, \
@@ -30,17 +31,6 @@ from aligner.servers.engine import REWARD, SAVE, TRAIN, VALUES, build_scalar_mod
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "kv_channels", "add_qkv_bias", "tie_embeddings")
-
-
-def clipped_value_loss(values, prev_values, returns, mask, clip: float):
-    """PPO value loss (Schulman et al. 2017, as in OpenAI baselines / NeMo-Aligner): with
-    V_clip = V_old + clamp(V - V_old, -clip, clip), loss_t = 1/2 max((V - R)^2, (V_clip - R)^2).
-    All [b, s]; returns (sum over masked tokens, masked token count, report sums)."""
-    clipped = prev_values + (values - prev_values).clamp(-clip, clip)
-    unclipped_error, clipped_error = (values - returns).pow(2), (clipped - returns).pow(2)
-    loss = (0.5 * torch.maximum(unclipped_error, clipped_error) * mask).sum()
-    report = {"loss": loss.detach(), "clip_fraction": ((clipped_error > unclipped_error).float() * mask).sum()}
-    return loss, mask.sum(), report
 
 
 def _backbone(model):
@@ -171,10 +161,11 @@ class Critic:
             output = model(mb["tokens"], positions.expand(mb["tokens"].shape[0], -1), None)
 
             def loss_func(values):
-                loss, count, report = clipped_value_loss(values[..., 0].float(), mb["prev_values"], mb["returns"],
-                                                         mb["mask"], t.loss_clip)
-                report = {k: v.detach().float() for k, v in report.items()}
-                report["count"] = count.detach().float()
+                token_loss, clipped = F.clipped_value_loss(values[..., 0].float(), mb["prev_values"], mb["returns"],
+                                                           t.loss_clip)
+                loss, count = F.masked_sum(token_loss, mb["mask"]), mb["mask"].sum()
+                report = {"loss": loss.detach(), "clip_fraction": F.masked_sum(clipped, mb["mask"]),
+                          "count": count.detach().float()}
                 return loss, count.int(), report
 
             return output, loss_func
