@@ -1,7 +1,7 @@
 """Typed Hydra configuration: dataclass schemas, strict loading and cross-field validation."""
-from aligner.config.load import ConfigError, load_config, load_resolved
+from aligner.config.load import ConfigError, compose_config, load_config, load_resolved
 from aligner.config.schema import (DataConfig, LauncherConfig, LoggingConfig, ModelConfig, OptimConfig, SFTRunConfig,
                                    TokenizerConfig, TrainerConfig)
 
-__all__ = ["ConfigError", "load_config", "load_resolved", "DataConfig", "LauncherConfig", "LoggingConfig",
+__all__ = ["ConfigError", "compose_config", "load_config", "load_resolved", "DataConfig", "LauncherConfig", "LoggingConfig",
            "ModelConfig", "OptimConfig", "SFTRunConfig", "TokenizerConfig", "TrainerConfig"]

@@ -50,8 +50,10 @@ def _register_schemas() -> None:
         ConfigStore.instance().store(name=f"{name}_schema", node=schema)
 
 
-def load_config(command: str, overrides: list[str], world_size: int | None = None) -> DictConfig:
-    """Compose `conf/<command>.yaml` + overrides, type-check, resolve and validate."""
+def compose_config(command: str, overrides: list[str]) -> DictConfig:
+    """Compose `conf/<command>.yaml` + overrides, type-check against the schema and resolve
+    (interpolations frozen). Cross-field checks are the caller's: `load_config` for training
+    commands, `aligner.servers.config` for servers."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -70,7 +72,12 @@ def load_config(command: str, overrides: list[str], world_size: int | None = Non
     if "model" in cfg and cfg.model.get("pretrained"):
         _adopt_checkpoint_architecture(cfg)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # freeze interpolations
-    cfg = _schema_merge(schema, cfg)
+    return _schema_merge(schema, cfg)
+
+
+def load_config(command: str, overrides: list[str], world_size: int | None = None) -> DictConfig:
+    """Compose, type-check, resolve and validate a training command's config."""
+    cfg = compose_config(command, overrides)
     validate(cfg, world_size if world_size is not None else expected_world_size(cfg))
     return cfg
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 KINDS = ("reward", "critic", "verifier")
 
 
@@ -18,38 +16,20 @@ def _fail(msg: str):
 
 def load_serve_config(kind: str, overrides: list[str]):
     """Compose, type-check, resolve and check `aligner serve <kind>`'s config."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from aligner import CONF_DIR
-    from aligner.config import ConfigError
-    from aligner.config.load import _register_schemas, _schema_merge, _summary
-    from aligner.config.schema import COMMANDS
+    from aligner.config import compose_config
 
     if kind not in KINDS:
         _fail(f"unknown server '{kind}'; expected one of {', '.join(KINDS)}")
-    name, schema = COMMANDS[f"serve_{kind}"]
-    _register_schemas()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            composed = compose(config_name=name, overrides=list(overrides))
-    except HydraException as e:
-        raise ConfigError(f"conf/{name}.yaml with overrides {list(overrides)}: {_summary(e)}") from None
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
-    cfg = _schema_merge(schema, composed)
-    cfg = _schema_merge(schema, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
+    cfg = compose_config(f"serve_{kind}", overrides)
     check(kind, cfg)
     return cfg
 
 
 def load_resolved_serve_config(path, kind: str):
     """Re-load the resolved config.yaml the CLI wrote (what every launched rank reads)."""
-    from aligner.config.load import _schema_merge
-    from aligner.config.schema import COMMANDS
+    from aligner.config import load_resolved
 
-    return _schema_merge(COMMANDS[f"serve_{kind}"][1], OmegaConf.load(path))
+    return load_resolved(path, f"serve_{kind}")
 
 
 def _checkpoint_meta(key: str, path) -> dict:
