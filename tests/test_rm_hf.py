@@ -95,7 +95,8 @@ def test_export_loads_in_transformers(imported):
 
 
 def test_trained_rm_exports_as_llama_sequence_classification(tiny_assets, tmp_path):
-    """A reward model of ours (tiny tokenizer, no HF metadata) exports with the tokenizer's pad id."""
+    """A reward model of ours (tiny tokenizer, no HF metadata) exports with the tokenizer's pad id,
+    from one rank or from a TP=2 x PP=2 layout alike."""
     from transformers import AutoModelForSequenceClassification
 
     from aligner.config.schema import ModelConfig
@@ -126,5 +127,10 @@ def test_trained_rm_exports_as_llama_sequence_classification(tiny_assets, tmp_pa
     with torch.no_grad():
         theirs = hf(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
     assert (score_checkpoint(tmp_path / "rm", seqs) - theirs).abs().max() < TOL
-    with pytest.raises(ValueError, match="one rank"):
-        mcore_to_hf(tmp_path / "rm", tmp_path / "hf2", tp=2)
+    # exported through the weight stream from two TP x two PP ranks: the same tensors, bit for bit
+    from safetensors.torch import load_file
+
+    resharded = load_file(str(mcore_to_hf(tmp_path / "rm", tmp_path / "hf_tp2pp2", tp=2, pp=2) / "model.safetensors"))
+    single = load_file(str(out / "model.safetensors"))
+    assert resharded.keys() == single.keys() and "score.weight" in single
+    assert all(torch.equal(resharded[k], single[k]) for k in single)

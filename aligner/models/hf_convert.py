@@ -221,23 +221,18 @@ def import_rank(hf_dir, out_dir, params_dtype: str = "", *, tp: int, pp: int) ->
 # ---------------------------------------------------------------------------------------------
 def mcore_to_hf(ckpt_dir, out_dir, dtype: str | None = None, *, tp: int = 1, pp: int = 1,
                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Export an aligner "lm" checkpoint as a HF directory that `from_pretrained` loads.
-    `dtype` (float32 | bfloat16 | float16) defaults to the checkpoint's parameter dtype; `tp`/`pp`
-    spread a model too large for one device over several ranks."""
+    """Export an aligner checkpoint as a HF directory that `from_pretrained` loads: a language model
+    as `*ForCausalLM`, a reward model as `*ForSequenceClassification`. `dtype` (float32 | bfloat16 |
+    float16) defaults to the checkpoint's parameter dtype; `tp`/`pp` spread a model too large for
+    one device over several ranks."""
     from aligner.models.checkpoint import read_metadata
 
-    meta = read_metadata(ckpt_dir)
-    if meta.get("head", "lm") == "reward":
-        if tp * pp != 1:
-            raise ValueError("reward models export on one rank (tp=pp=1)")
-        out = _fresh_output_dir(out_dir)
-        run_ranks("aligner.models.hf_convert:_export_reward_main", [str(ckpt_dir), str(out), dtype or "", "1", "1"], 1)
-        return out
-    if meta.get("head", "lm") != "lm":
-        raise ValueError(f"{ckpt_dir} has a '{meta['head']}' head; only language and reward models export to HF")
+    head = read_metadata(ckpt_dir).get("head", "lm")
+    if head not in ("lm", "reward"):
+        raise ValueError(f"{ckpt_dir} has a '{head}' head; only language and reward models export to HF")
     out = _fresh_output_dir(out_dir)
     run_ranks("aligner.models.hf_convert:_export_main",
-         [str(ckpt_dir), str(out), dtype or "", str(max_shard_bytes), str(tp), str(pp)], tp * pp)
+              [str(ckpt_dir), str(out), dtype or "", str(max_shard_bytes), str(tp), str(pp)], tp * pp)
     return out
 
 
@@ -247,68 +242,54 @@ def _export_main(argv: list[str], initialised: bool = False) -> None:
 
 def export_rank(ckpt_dir, out_dir, dtype: str = "", max_shard_bytes: str | int = DEFAULT_SHARD_BYTES, *,
                 tp: int, pp: int) -> None:
-    """Collective, in a process group set up for (tp, pp): load the checkpoint, stream it to rank 0, write."""
+    """Collective, in a process group set up for (tp, pp): load the checkpoint, stream it to rank 0
+    (`aligner.models.weight_stream`), write."""
     import torch.distributed as dist
 
+    from aligner.algorithms.reward_model import head_outputs
     from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata
     from aligner.models.gpt import build_gpt
+    from aligner.models.heads import attach_scalar_head
     from aligner.models.weight_stream import iter_hf_weights
     from aligner.runtime.seeding import seed_everything
 
     cfg, vocab = model_config_from_checkpoint(ckpt_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     dtype = dtype or cfg.params_dtype
+    meta = read_metadata(ckpt_dir)
+    outputs = head_outputs(ckpt_dir) or 0
     seed_everything(0)
     model = build_gpt(cfg, vocab)
+    if outputs:
+        attach_scalar_head(model, outputs)
     load_weights(ckpt_dir, model)
-    buckets = iter_hf_weights(model, cfg, vocab, dtype=dtype, bucket_bytes=int(max_shard_bytes))
+    buckets = iter_hf_weights(model, cfg, vocab, dtype=dtype, bucket_bytes=int(max_shard_bytes), score_outputs=outputs)
     if dist.get_rank() != 0:
         for _ in buckets:  # take part in the stream
             pass
         return
-    hf = read_metadata(ckpt_dir).get("hf") or {}
-    config = hw.hf_config_from_model(cfg, vocab, hf.get("architecture"), dtype, base=hf.get("config"))
-    write_hf_dir(out_dir, config, buckets, Path(ckpt_dir) / "tokenizer", hf.get("generation_config"))
-
-
-def _export_reward_main(argv: list[str], initialised: bool = False) -> None:
-    rank_main(argv, initialised, export_reward_rank)
-
-
-@torch.no_grad()
-def export_reward_rank(ckpt_dir, out_dir, dtype: str = "", *, tp: int, pp: int) -> None:
-    """A reward checkpoint as `<Llama|Qwen2|Mistral>ForSequenceClassification`, on one rank.
-    Hugging Face reads the reward at the last token that is not `pad_token_id`, we at the last real
-    token: the two agree unless the pad token is also the token a scored sequence ends with."""
-    from aligner.algorithms.reward_model import head_outputs
-    from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata
-    from aligner.models.gpt import build_gpt
-    from aligner.models.heads import attach_scalar_head
-    from aligner.models.weight_stream import as_dtype
-    from aligner.runtime.seeding import seed_everything
-
-    cfg, vocab = model_config_from_checkpoint(ckpt_dir)
-    outputs = head_outputs(ckpt_dir)
-    seed_everything(0)
-    model = attach_scalar_head(build_gpt(cfg, vocab), outputs)
-    load_weights(ckpt_dir, model)
-    g = hw.Geometry.of(cfg, vocab, score_outputs=outputs)
-    dtype = dtype or cfg.params_dtype
-    state = hw.mcore_to_hf_state({hw.canonical_name(n): p.detach() for n, p in model.named_parameters()}, g)
-    state = {name: t.to(as_dtype(dtype)) for name, t in state.items()}
-    meta = read_metadata(ckpt_dir)
     hf = meta.get("hf") or {}
-    causal = hw.SEQUENCE_CLASSIFICATION.get(hf.get("architecture"), hf.get("architecture"))
-    config = hw.hf_config_from_model(cfg, vocab, causal, dtype, base=hf.get("config"))
+    tokenizer_dir = Path(ckpt_dir) / "tokenizer"
+    architecture = hf.get("architecture")
+    if outputs:  # the causal-LM architecture of an imported *ForSequenceClassification
+        architecture = hw.SEQUENCE_CLASSIFICATION.get(architecture, architecture)
+    config = hw.hf_config_from_model(cfg, vocab, architecture, dtype, base=hf.get("config"))
+    if outputs:
+        _as_sequence_classification(config, meta, outputs, tokenizer_dir)
+    write_hf_dir(out_dir, config, buckets, tokenizer_dir, hf.get("generation_config"))
+
+
+def _as_sequence_classification(config: dict, meta: dict, outputs: int, tokenizer_dir: Path) -> None:
+    """A causal-LM config.json -> `<Llama|Qwen2|Mistral>ForSequenceClassification`'s. Hugging Face
+    reads the reward at the last token that is not `pad_token_id`, we at the last real token: the
+    two agree unless the pad token is also the token a scored sequence ends with."""
     labels = (meta.get("scalar_head") or {}).get("attributes") or [f"LABEL_{i}" for i in range(outputs)]
     config.update(architectures=[{v: k for k, v in hw.SEQUENCE_CLASSIFICATION.items()}[config["architectures"][0]]],
                   id2label={str(i): label for i, label in enumerate(labels)},
                   label2id={label: i for i, label in enumerate(labels)})
-    tokenizer_dir = Path(ckpt_dir) / "tokenizer"
     if config.get("pad_token_id") is None and tokenizer_dir.is_dir():  # HF needs it for batches of > 1
         from aligner.data.tokenizer import load_tokenizer
 
         config["pad_token_id"] = load_tokenizer(tokenizer_dir).pad_token_id
-    write_hf_dir(out_dir, config, [state], tokenizer_dir, hf.get("generation_config"))
 
 
 def write_hf_dir(out_dir, config: dict, buckets, tokenizer_dir=None, generation_config: dict | None = None) -> Path:

@@ -53,7 +53,7 @@ def _local_parameters(model, g: hw.Geometry, offset: int, expected: list[str]) -
     local = {}
     for name, param in model.named_parameters():
         canonical = hw.canonical_name(name, offset)
-        if canonical == "output_layer.weight" and g.tied:
+        if canonical == "output_layer.weight" and g.tied and not g.score_outputs:
             continue  # the last stage's copy of the tied embedding
         local[canonical] = param
     if set(local) != set(expected):
@@ -89,14 +89,17 @@ class _Layout:
 
 @torch.no_grad()
 def iter_hf_weights(model, model_cfg, vocab_size: int, dtype: torch.dtype | str | None = None,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, all_ranks: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, all_ranks: bool = False,
+                    score_outputs: int = 0) -> Iterator[dict[str, torch.Tensor]]:
     """Yield {HF name: full tensor} buckets of at most `bucket_bytes` (a larger single tensor gets
     its own bucket) on rank 0 (or every rank with `all_ranks`). Tensors are in `dtype` (default:
-    the parameters' dtype) on the parameters' device. `model_cfg` must describe the live layout."""
+    the parameters' dtype) on the parameters' device. `model_cfg` must describe the live layout.
+    `score_outputs` > 0: the model carries a scalar (reward) head of that many outputs, streamed as
+    HF `score.weight`."""
     dtype = as_dtype(dtype or model_cfg.params_dtype)
     layout = _Layout.current()
     pp = len(layout.pp_ranks)
-    g = hw.Geometry.of(model_cfg, vocab_size, layout.tp)
+    g = hw.Geometry.of(model_cfg, vocab_size, layout.tp, score_outputs=score_outputs)
     plan = _stage_plan(g, pp)
     inner = _unwrap(model)
     local = _local_parameters(inner, g, layout.pp_rank * (g.num_layers // pp), plan[layout.pp_rank])
@@ -125,7 +128,8 @@ def _full_tensor(name, param, stage, layout: _Layout, g, dtype, device, all_rank
     full = None
     if owner:
         part = param.detach().to(dtype).contiguous()
-        if layout.tp > 1 and hw.split_rule(name) is not None:
+        scalar_head = g.score_outputs and name == "output_layer.weight"  # replicated over TP
+        if layout.tp > 1 and hw.split_rule(name) is not None and not scalar_head:
             parts = [torch.empty_like(part) for _ in range(layout.tp)]
             dist.all_gather(parts, part, group=layout.tp_group)
             full = hw.unshard(name, parts)
