@@ -159,3 +159,23 @@ def test_cli_refuses_a_busy_port_before_loading_a_model(tmp_path):
     assert result.returncode == 1 and f"port {port} on 127.0.0.1 is not available" in result.stderr
     assert time.monotonic() - start < 30
     assert run_cli("serve", "nope").returncode == 2
+
+
+# ---- the collective forward behind every server, at PP=2 and DP=2 ------------------------------------------
+@pytest.mark.parametrize("tp, pp", [(1, 2), (1, 1)])  # two ranks: pipeline stages, or data-parallel replicas
+def test_forward_rows_on_two_ranks_equals_one_process(tiny_assets, tmp_path, tp, pp):
+    import torch
+
+    from aligner.launch.local import launch
+    from aligner.servers.engine import score_checkpoint
+    from tests.server_workers import make_reward_checkpoint
+
+    ckpt = make_reward_checkpoint(tmp_path / "rm", tiny_assets / "tokenizer", 2, seed=3)
+    sequences = [[5 + (i * j) % 40 for j in range(3 + 4 * i)] for i in range(7)]  # 7 rows: uneven micro-batches of 3
+    launch("tests.server_workers:forward_rows_rank", [str(ckpt), str(tp), str(pp), json.dumps(sequences),
+                                                      str(tmp_path / "out.pt")], 2)
+    served = torch.load(tmp_path / "out.pt")
+    rewards, values = score_checkpoint(ckpt, sequences), score_checkpoint(ckpt, sequences, per_token=True)
+    assert served["rewards"].shape == rewards.shape == (7, 2)
+    assert (served["rewards"] - rewards).abs().max() < 1e-5
+    assert (served["values"] - values).abs().max() < 1e-5
