@@ -1,15 +1,18 @@
-"""Build the tiny example's inputs with no download: a byte-level BPE tokenizer (vocab 512) and
-synthetic arithmetic chat data (train + validation JSONL).
+"""Build the tiny example's inputs with no download: a byte-level BPE tokenizer (vocab 512),
+synthetic arithmetic chat data for SFT, preference pairs (right vs wrong answer) for the reward
+model and DPO, and held-out prompts (rendered with the chat template) for generation.
 
     python examples/tiny/prepare.py --out runs/tiny
 """
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
-from aligner.data.synthetic import corpus, write_sft_chat
-from aligner.data.tokenizer import build_tiny_tokenizer
+from aligner.data.preference_rm import write_arithmetic_preferences
+from aligner.data.synthetic import arithmetic_problems, chat_messages, corpus, write_sft_chat
+from aligner.data.tokenizer import build_tiny_tokenizer, load_tokenizer
 
 
 def main() -> None:
@@ -17,13 +20,22 @@ def main() -> None:
     parser.add_argument("--out", default="runs/tiny")
     parser.add_argument("--train", type=int, default=2000, help="training conversations")
     parser.add_argument("--val", type=int, default=200, help="validation conversations")
+    parser.add_argument("--max-operand", type=int, default=9, help="largest operand (small enough to learn in minutes)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     build_tiny_tokenizer(corpus(4000, seed=0), out / "tokenizer", vocab_size=512)
-    write_sft_chat(out / "sft_train.jsonl", args.train, seed=1)
-    write_sft_chat(out / "sft_val.jsonl", args.val, seed=2)
-    print(f"wrote {out}/tokenizer, {out}/sft_train.jsonl, {out}/sft_val.jsonl")
+    write_sft_chat(out / "sft_train.jsonl", args.train, seed=1, max_operand=args.max_operand)
+    write_sft_chat(out / "sft_val.jsonl", args.val, seed=2, max_operand=args.max_operand)
+    write_arithmetic_preferences(out / "pref_train.jsonl", args.train, seed=3, max_operand=args.max_operand, ops="+-*")
+    write_arithmetic_preferences(out / "pref_val.jsonl", args.val, seed=4, max_operand=args.max_operand, ops="+-*")
+    tokenizer = load_tokenizer(out / "tokenizer")
+    with open(out / "prompts.jsonl", "w") as f:
+        for problem in arithmetic_problems(8, seed=5, max_operand=args.max_operand):
+            user_turn = chat_messages(problem)[:1]
+            text = tokenizer.apply_chat_template(user_turn, tokenize=False, add_generation_prompt=True)
+            f.write(json.dumps({"prompt": text, "answer": problem["answer"]}) + "\n")
+    print(f"wrote {out}/: tokenizer, sft_{{train,val}}.jsonl, pref_{{train,val}}.jsonl, prompts.jsonl")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,35 @@
 #!/usr/bin/env bash
-# The built-in tiny example, end to end on a CPU: set up, build tokenizer + data, train SFT.
-#   bash examples/tiny/run.sh [extra overrides, e.g. launcher.nproc_per_node=2 model.tensor_model_parallel_size=2]
+# The built-in tiny example, end to end on a CPU: set up, build tokenizer + data, then
+# SFT -> reward model (from the SFT weights) -> DPO (from the SFT weights) -> generate with the DPO policy.
+#   bash examples/tiny/run.sh [overrides for every training stage, e.g.
+#                              launcher.nproc_per_node=2 model.tensor_model_parallel_size=2]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash scripts/setup.sh
 source .venv/bin/activate
-python examples/tiny/prepare.py --out runs/tiny
-aligner train sft run_dir=runs/tiny/sft data.train_path=runs/tiny/sft_train.jsonl \
-  data.val_path=runs/tiny/sft_val.jsonl tokenizer.path=runs/tiny/tokenizer \
-  trainer.max_steps=60 trainer.val_interval=20 trainer.save_interval=30 "$@"
-tail -n 1 runs/tiny/sft/metrics.jsonl
+T=runs/tiny
+python examples/tiny/prepare.py --out $T
+common=(tokenizer.path=$T/tokenizer logging.progress=false "$@")
+
+aligner train sft run_dir=$T/sft data.train_path=$T/sft_train.jsonl data.val_path=$T/sft_val.jsonl \
+  trainer.max_steps=100 trainer.val_interval=50 trainer.save_interval=50 "${common[@]}"
+SFT=$T/sft/checkpoints/step_000100
+
+aligner train rm run_dir=$T/rm model.pretrained=$SFT data.train_path=$T/pref_train.jsonl \
+  data.val_path=$T/pref_val.jsonl trainer.max_steps=60 trainer.val_interval=30 optim.lr=1e-3 optim.min_lr=1e-4 "${common[@]}"
+
+aligner train dpo run_dir=$T/dpo model.pretrained=$SFT data.train_path=$T/pref_train.jsonl \
+  data.val_path=$T/pref_val.jsonl trainer.max_steps=30 trainer.val_interval=30 optim.lr=5e-4 optim.min_lr=5e-5 "${common[@]}"
+
+aligner generate --model $T/dpo/checkpoints/step_000030 --prompts $T/prompts.jsonl --out $T/generations.jsonl \
+  sampling.greedy=true sampling.max_new_tokens=12
+
+echo "--- last metrics: SFT, RM, DPO ---"
+for stage in sft rm dpo; do tail -n 1 $T/$stage/metrics.jsonl; done
+echo "--- DPO policy, greedy (prompt -> response | right answer) ---"
+python - "$T" <<'PY'
+import json, sys
+prompts = [json.loads(line) for line in open(f"{sys.argv[1]}/prompts.jsonl")]
+for p, g in zip(prompts, map(json.loads, open(f"{sys.argv[1]}/generations.jsonl"))):
+    print(f"{p['prompt']!r} -> {g['response']!r} | {p['answer']}")
+PY
