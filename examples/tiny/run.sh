@@ -5,9 +5,11 @@
 #                              launcher.nproc_per_node=2 model.tensor_model_parallel_size=2]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-bash scripts/setup.sh
-source .venv/bin/activate
-T=runs/tiny
+if ! command -v aligner >/dev/null; then  # set up unless aligner is installed already
+  bash scripts/setup.sh
+  source .venv/bin/activate
+fi
+T=${TINY_OUT:-runs/tiny}  # where data, runs and generations go
 python examples/tiny/prepare.py --out $T
 common=(tokenizer.path=$T/tokenizer logging.progress=false "$@")
 
