@@ -99,8 +99,10 @@ class LoggingConfig:
 
 
 @dataclass
-class SFTRunConfig:
-    run_dir: str = "runs/sft"
+class TrainRunConfig:
+    """What every training command has; each command adds its own group (and may narrow `data`)."""
+
+    run_dir: str = "runs/train"
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -108,6 +110,11 @@ class SFTRunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass
+class SFTRunConfig(TrainRunConfig):
+    run_dir: str = "runs/sft"
 
 
 class RMLoss(Enum):
@@ -123,15 +130,8 @@ class RewardModelConfig:
 
 
 @dataclass
-class RMRunConfig:
+class RMRunConfig(TrainRunConfig):
     run_dir: str = "runs/rm"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
     rm: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
@@ -253,15 +253,9 @@ class DPOConfig:
 
 
 @dataclass
-class DPORunConfig:
+class DPORunConfig(TrainRunConfig):
     run_dir: str = "runs/dpo"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
@@ -272,15 +266,9 @@ class ORPOConfig:
 
 
 @dataclass
-class ORPORunConfig:
+class ORPORunConfig(TrainRunConfig):
     run_dir: str = "runs/orpo"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
     orpo: ORPOConfig = field(default_factory=ORPOConfig)
 
 
@@ -292,15 +280,9 @@ class SimPOConfig:
 
 
 @dataclass
-class SimPORunConfig:
+class SimPORunConfig(TrainRunConfig):
     run_dir: str = "runs/simpo"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
     simpo: SimPOConfig = field(default_factory=SimPOConfig)
 
 
@@ -312,15 +294,9 @@ class KTOConfig:
 
 
 @dataclass
-class KTORunConfig:
+class KTORunConfig(TrainRunConfig):
     run_dir: str = "runs/kto"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
 
