@@ -579,31 +579,19 @@ class KTO(PreferenceAlgorithm):
 def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
     """One rank of `aligner train <dpo|orpo|simpo|kto>` with a validated config."""
     from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
-    from aligner.data.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer, model_vocab_size
     from aligner.models.gpt import use_transformer_engine
     from aligner.models.training import wrap_for_training
-    from aligner.observe.logs import configure_logging
     from aligner.runtime import distributed
-    from aligner.runtime.seeding import seed_everything
 
     m, d = cfg.model, cfg.data
     if d.packing and use_transformer_engine(m.transformer_impl):
         raise ValueError("data.packing=true needs the local layer spec (model.transformer_impl=local): the "
                          "Transformer-Engine attention ignores the block-causal mask and its THD packed format "
                          "is not wired in yet")
-    distributed.init_process_group()
-    if not torch.cuda.is_available():
-        torch.set_num_threads(cfg.launcher.threads_per_rank)
-    distributed.init_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                                    m.context_parallel_size)
-    configure_logging(dist.get_rank())
-    seed_everything(cfg.trainer.seed)
-
+    distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
-    vocab_size = m.vocab_size or len(tokenizer)
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"model.vocab_size={vocab_size} is smaller than the tokenizer at {cfg.tokenizer.path} "
-                         f"({len(tokenizer)} tokens)")
+    vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
 
     def load(path):
         if unpaired:

@@ -23,7 +23,6 @@ import torch
 
 from aligner.algorithms import functional as F
 from aligner.algorithms.trainer import Trainer
-from aligner.observe.logs import configure_logging
 from aligner.runtime.distributed import sum_over_group
 
 
@@ -210,12 +209,11 @@ def main(argv: list[str]) -> None:
 def run(cfg) -> None:
     """One rank of `aligner train rm` with a validated config."""
     from aligner.data.preference_rm import load_rm_dataset
-    from aligner.data.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer, model_vocab_size
     from aligner.models.gpt import build_gpt
     from aligner.models.heads import attach_scalar_head
     from aligner.models.training import wrap_for_training
     from aligner.runtime import distributed
-    from aligner.runtime.seeding import seed_everything
 
     m, rm, d = cfg.model, cfg.rm, cfg.data
     loss = rm.loss.value if hasattr(rm.loss, "value") else str(rm.loss)
@@ -225,16 +223,9 @@ def run(cfg) -> None:
                          "rm.attributes=[helpfulness,correctness]")
     if loss != "regression" and attributes:
         raise ValueError(f"rm.attributes is only used by rm.loss=regression (got rm.loss={loss})")
-    distributed.init_process_group()
-    if not torch.cuda.is_available():
-        torch.set_num_threads(cfg.launcher.threads_per_rank)
-    distributed.init_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                                    m.context_parallel_size)
-    configure_logging(torch.distributed.get_rank())
-    seed_everything(cfg.trainer.seed)
-
+    distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
-    vocab_size = m.vocab_size or len(tokenizer)
+    vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
     kind = "regression" if loss == "regression" else "pairs"
 
     def load(path):

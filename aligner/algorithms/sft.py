@@ -1,11 +1,8 @@
 """Supervised fine-tuning: next-token NLL on the loss-masked (assistant / output) tokens."""
 from __future__ import annotations
 
-import torch
-
 from aligner.algorithms.lm_step import make_forward_step, sft_loss
 from aligner.algorithms.trainer import Trainer
-from aligner.observe.logs import configure_logging
 
 
 class SFTFormat:
@@ -35,26 +32,15 @@ def main(argv: list[str]) -> None:
 def run(cfg) -> None:
     """One rank of `aligner train sft` with a validated config."""
     from aligner.data.sft import load_sft_dataset
-    from aligner.data.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer, model_vocab_size
     from aligner.models.gpt import build_gpt
     from aligner.models.training import wrap_for_training
     from aligner.runtime import distributed
-    from aligner.runtime.seeding import seed_everything
 
     m = cfg.model
-    distributed.init_process_group()
-    if not torch.cuda.is_available():
-        torch.set_num_threads(cfg.launcher.threads_per_rank)
-    distributed.init_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                                    m.context_parallel_size)
-    configure_logging(torch.distributed.get_rank())
-    seed_everything(cfg.trainer.seed)
-
+    distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
-    vocab_size = m.vocab_size or len(tokenizer)
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"model.vocab_size={vocab_size} is smaller than the tokenizer at {cfg.tokenizer.path} "
-                         f"({len(tokenizer)} tokens)")
+    vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
     d = cfg.data
     train = load_sft_dataset(d.train_path, tokenizer, d.format, d.max_length, d.overlong)
     val = load_sft_dataset(d.val_path, tokenizer, d.format, d.max_length, d.overlong) if d.val_path else None

@@ -45,6 +45,15 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+def model_vocab_size(model_cfg, tokenizer, tokenizer_path) -> int:
+    """`model.vocab_size`, or the tokenizer's size when unset; never fewer ids than the tokenizer has."""
+    vocab_size = model_cfg.vocab_size or len(tokenizer)
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"model.vocab_size={vocab_size} is smaller than the tokenizer at {tokenizer_path} "
+                         f"({len(tokenizer)} tokens)")
+    return vocab_size
+
+
 def build_tiny_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512) -> Path:
     """Train a byte-level BPE on `texts` (deterministic: same texts, same vocab and merges), save it as a
     Hugging Face tokenizer with the tiny chat template in `out_dir`, and return `out_dir`."""

@@ -90,6 +90,21 @@ def init_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1) -> None:
                                  context_parallel_size=cp)
 
 
+def start_training_rank(cfg) -> None:
+    """Everything a rank of a training command sets up before it builds anything: the process
+    group, CPU threads, the model-parallel groups of `cfg.model`, per-rank logging and seeds."""
+    from aligner.observe.logs import configure_logging
+    from aligner.runtime.seeding import seed_everything
+
+    m = cfg.model
+    init_process_group()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cfg.launcher.threads_per_rank)
+    init_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
+    configure_logging(dist.get_rank())
+    seed_everything(cfg.trainer.seed)
+
+
 def shutdown() -> None:
     from megatron.core import parallel_state as ps
 
