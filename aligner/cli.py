@@ -1,11 +1,13 @@
 """`aligner <command> ...`: the single entry point.
 
-    aligner train sft [hydra overrides]           train (config: conf/sft.yaml; also: rm)
+    aligner train sft [hydra overrides]           train (config: conf/sft.yaml; also rm, dpo, orpo, simpo,
+                                                  kto, steerlm)
     aligner serve reward|critic|verifier [overrides]  PyTriton server (conf/serve_<kind>.yaml)
     aligner convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N]
     aligner convert mcore-to-hf --ckpt DIR --out DIR [--dtype bfloat16]
     aligner logprobs --model DIR --data FILE.jsonl --out FILE.jsonl [--tp N --pp N]
     aligner generate --model DIR --prompts FILE.jsonl --out FILE.jsonl [sampling.greedy=true ...]
+    aligner label-attributes --rm DIR --data FILE.jsonl --out FILE.jsonl [--scale 4]   SteerLM labels
     aligner doctor                                 what this host can run (CUDA, optional GPU packages)
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 # algorithm -> module with `main(argv)` (a launched rank) and `run(cfg)` (in this process)
 TRAINERS = {"sft": "aligner.algorithms.sft", "rm": "aligner.algorithms.reward_model",
             "dpo": "aligner.algorithms.dpo", "orpo": "aligner.algorithms.orpo", "simpo": "aligner.algorithms.simpo",
-            "kto": "aligner.algorithms.kto"}
+            "kto": "aligner.algorithms.kto", "steerlm": "aligner.algorithms.steerlm"}
 
 
 def _under_external_launcher() -> bool:
@@ -115,6 +117,26 @@ def generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def label_attributes(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="aligner label-attributes",
+                                     description="SteerLM labels: score SFT records with a regression reward model")
+    parser.add_argument("--rm", required=True, help="regression reward-model checkpoint (rm.loss=regression)")
+    parser.add_argument("--data", required=True, help="SFT JSONL (chat messages, or input/output)")
+    parser.add_argument("--out", required=True, help="the same records, each with an 'attributes' object")
+    parser.add_argument("--scale", type=int, default=4, help="values are rounded and clipped to [0, scale]")
+    parser.add_argument("--batch-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    from aligner.data.steerlm import label_attributes as label
+
+    try:
+        out = label(args.rm, args.data, args.out, scale=args.scale, batch_size=args.batch_size)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"aligner label-attributes: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 SERVERS = {"reward": "aligner.servers.reward_server", "critic": "aligner.servers.critic_server",
            "verifier": "aligner.servers.verifier_server"}
 
@@ -190,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"usage: aligner train <{'|'.join(TRAINERS)}> [overrides]", file=sys.stderr)
             return 2
         return train(rest[0], rest[1:])
-    handlers = {"convert": convert, "logprobs": logprobs, "generate": generate, "serve": serve, "doctor": doctor}
+    handlers = {"convert": convert, "logprobs": logprobs, "generate": generate, "serve": serve, "doctor": doctor,
+                "label-attributes": label_attributes}
     if command not in handlers:
         print(f"aligner: unknown command '{command}'\n{__doc__}", file=sys.stderr)
         return 2

@@ -67,3 +67,14 @@ def test_every_model_yaml_matches_the_schema():
         cfg = load_config("sft", REQUIRED + [f"model={path.stem}"],
                           world_size=OmegaConf.load(path).get("tensor_model_parallel_size", 1))
         assert cfg.model.num_layers > 0, path
+
+
+@pytest.mark.parametrize("command, overrides, fragment", [
+    ("sft", ["optim.lr=1e-5"], "optim.min_lr=0.0001 is above optim.lr=1e-05"),
+    ("steerlm", [], r"steerlm.attributes=\.\.\."),
+    ("steerlm", ["steerlm.attributes=[a,a]"], "name each attribute once"),
+    ("steerlm", ["steerlm.attributes=[a]", "steerlm.scale=0"], "steerlm.scale must be >= 1"),
+])
+def test_command_specific_rules_fail_before_launch(command, overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(command, REQUIRED + overrides, world_size=1)

@@ -29,8 +29,10 @@ def main(argv: list[str]) -> None:
     run(load_resolved(argv[0], "sft"))
 
 
-def run(cfg) -> None:
-    """One rank of `aligner train sft` with a validated config."""
+def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
+    """One rank of `aligner train sft` with a validated config. `condition(record, tokenizer)` gives
+    ids to put at the start of each sample outside the loss (SteerLM), `extra_meta` goes into every
+    checkpoint's metadata."""
     from aligner.data.sft import load_sft_dataset
     from aligner.data.tokenizer import load_tokenizer, model_vocab_size
     from aligner.models.gpt import build_gpt
@@ -42,11 +44,15 @@ def run(cfg) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
     d = cfg.data
-    train = load_sft_dataset(d.train_path, tokenizer, d.format, d.max_length, d.overlong)
-    val = load_sft_dataset(d.val_path, tokenizer, d.format, d.max_length, d.overlong) if d.val_path else None
+    prefix = None if condition is None else (lambda record: condition(record, tokenizer))
+
+    def load(path):
+        return load_sft_dataset(path, tokenizer, d.format, d.max_length, d.overlong, prefix=prefix)
+
+    train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
 
     model, optimizer, scheduler = wrap_for_training(build_gpt(m, vocab_size), m, cfg.optim)
     trainer = Trainer(cfg, model, optimizer, scheduler, make_forward_step(sft_loss, vocab_size), train, val,
-                      SFTFormat(tokenizer.pad_token_id), vocab_size, tokenizer)
+                      SFTFormat(tokenizer.pad_token_id), vocab_size, tokenizer, extra_meta=extra_meta)
     trainer.fit()
     distributed.shutdown()

@@ -117,6 +117,18 @@ class SFTRunConfig(TrainRunConfig):
     run_dir: str = "runs/sft"
 
 
+@dataclass
+class SteerLMConfig:
+    attributes: list[str] = MISSING  # the condition's attributes, in this order (saved with each checkpoint)
+    scale: int = 4  # values are integers in [0, scale] (HelpSteer: 0..4)
+
+
+@dataclass
+class SteerLMRunConfig(TrainRunConfig):
+    run_dir: str = "runs/steerlm"
+    steerlm: SteerLMConfig = field(default_factory=SteerLMConfig)
+
+
 class RMLoss(Enum):
     bt = "bt"  # Bradley-Terry on (chosen, rejected) pairs
     margin_bt = "margin_bt"  # Bradley-Terry with each pair's "margin" subtracted from the reward gap
@@ -306,4 +318,4 @@ COMMANDS = {"sft": ("sft", SFTRunConfig), "rm": ("rm", RMRunConfig),
             "serve_reward": ("serve_reward", RewardServeConfig), "serve_critic": ("serve_critic", CriticServeConfig),
             "serve_verifier": ("serve_verifier", VerifierServeConfig),
             "dpo": ("dpo", DPORunConfig), "orpo": ("orpo", ORPORunConfig), "simpo": ("simpo", SimPORunConfig),
-            "kto": ("kto", KTORunConfig)}
+            "kto": ("kto", KTORunConfig), "steerlm": ("steerlm", SteerLMRunConfig)}

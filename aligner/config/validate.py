@@ -62,3 +62,13 @@ def validate(cfg, world_size: int) -> None:
         _fail(f"optim.scheduler must be cosine, linear or constant, got '{cfg.optim.scheduler}'")
     if cfg.launcher.nproc_per_node < 1:
         _fail("launcher.nproc_per_node must be >= 1")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        _fail(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the schedule decays from lr to "
+              f"min_lr, so set min_lr <= lr")
+    if "steerlm" in cfg:
+        s = cfg.steerlm
+        if not s.attributes or len(set(s.attributes)) != len(s.attributes):
+            _fail(f"steerlm.attributes must name each attribute once, e.g. [helpfulness,verbosity]; got "
+                  f"{list(s.attributes)}")
+        if s.scale < 1:
+            _fail(f"steerlm.scale must be >= 1 (values are integers in [0, scale]), got {s.scale}")

@@ -150,16 +150,23 @@ def _labels(obj: dict, attributes: Sequence[str]) -> tuple[list[float], list[flo
     return labels, mask
 
 
+def reward_input_ids(obj: dict, tokenizer, fmt: str = "auto") -> list[int]:
+    """The ids a regression reward model scores for one record: a whole conversation
+    (`messages`), `prompt` + `response`, or an SFT record's `input` + `output`."""
+    if "messages" in obj:
+        return _encode_side(_check_chat(obj), tokenizer)
+    if "response" not in obj and "output" in obj:
+        obj = {"prompt": obj.get("input"), "response": obj["output"]}
+    return _encode_side(_side(obj, "response", fmt), tokenizer)
+
+
 def tokenize_regression(obj: dict, tokenizer, attributes: Sequence[str], fmt: str = "auto") -> RegressionSample | None:
     """None when the record has no label for any attribute (nothing to learn)."""
-    if "messages" in obj:
-        side = _check_chat(obj)
-    else:
-        side = _side(obj, "response", fmt)
+    ids = reward_input_ids(obj, tokenizer, fmt)
     labels, mask = _labels(obj, attributes)
     if not any(mask):
         return None
-    return RegressionSample(_encode_side(side, tokenizer), labels, mask)
+    return RegressionSample(ids, labels, mask)
 
 
 def load_rm_dataset(path: str | Path, tokenizer, kind: str = "pairs", attributes: Sequence[str] = (),

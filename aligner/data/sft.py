@@ -15,11 +15,12 @@ Conventions:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from aligner.data.jsonl import DataError, json_type, read_jsonl
+from aligner.data.steerlm import insert_condition
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +168,10 @@ def tokenize_record(obj: dict, tokenizer, fmt: str = "auto") -> tuple[list[int],
 
 # ---- loading ---------------------------------------------------------------------------------------
 def load_sft_dataset(path: str | Path, tokenizer, fmt: str = "auto", max_length: int = 256,
-                     overlong: str = "truncate") -> SFTDataset:
-    """Read, validate and tokenize an SFT JSONL file; malformed records raise DataError(`path:line: ...`)."""
+                     overlong: str = "truncate", prefix: Callable[[dict], list[int]] | None = None) -> SFTDataset:
+    """Read, validate and tokenize an SFT JSONL file; malformed records raise DataError(`path:line: ...`).
+    `prefix(record)` gives ids to put at the start of each sample (after its bos), outside the loss
+    (SteerLM's attribute condition)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if overlong not in ("truncate", "drop"):
@@ -180,6 +183,8 @@ def load_sft_dataset(path: str | Path, tokenizer, fmt: str = "auto", max_length:
         records += 1
         try:
             ids, mask = tokenize_record(obj, tokenizer, fmt)
+            if prefix is not None:
+                ids, mask = insert_condition(ids, mask, prefix(obj), tokenizer.bos_token_id)
         except DataError as e:
             raise DataError(f"{path}:{line_no}: {e}") from None
         cut = len(ids) > max_length

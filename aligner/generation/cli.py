@@ -5,7 +5,9 @@ per line: {"prompt": "text"} (needs the tokenizer; encoded with its default spec
 {"prompt_ids": [int, ...]}. The output has one JSON line per prompt, in input order:
 {"response_ids": [...], "response": text or null, "logprobs": [...], "stop_reason": ...}.
 Sample i is seeded with (sampling.seed, i), so the output does not depend on batch_size or on the
-number of ranks. Overrides (key=value): see OVERRIDES. Several ranks run through the embedded
+number of ranks. A SteerLM checkpoint (`aligner train steerlm`) is steered with
+`steerlm.attributes=name:value,...` (every attribute it was trained on): each prompt then starts with
+the same condition as in training. Overrides (key=value): see OVERRIDES. Several ranks run through the embedded
 launcher; TP x PP must divide launcher.nproc_per_node, the remaining factor splits the prompts (DP).
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ OVERRIDES = {  # key -> (type, default)
     "launcher.nproc_per_node": (int, 1),
     "model.tensor_model_parallel_size": (int, 1),
     "model.pipeline_model_parallel_size": (int, 1),
+    "steerlm.attributes": (str, ""),  # a SteerLM model's condition, e.g. helpfulness:4,verbosity:1
 }
 
 
@@ -88,6 +91,20 @@ def read_prompts(path, tokenizer, vocab_size: int) -> list[list[int]]:
     return read_token_sequences(path, "prompt", "prompt_ids", vocab_size, tokenizer_for)
 
 
+def steer(prompts: list[list[int]], attributes: str, model_dir: Path, tokenizer) -> list[list[int]]:
+    """Each prompt with a SteerLM condition inserted as `aligner train steerlm` did."""
+    from aligner.data.steerlm import condition_ids, insert_condition, parse_condition
+    from aligner.models.checkpoint import read_metadata
+
+    trained = read_metadata(model_dir).get("steerlm")
+    if trained is None or tokenizer is None:
+        raise ValueError(f"steerlm.attributes: {model_dir} is not a SteerLM checkpoint with a tokenizer "
+                         f"(train one with `aligner train steerlm`)")
+    names = trained["attributes"]
+    condition = condition_ids(tokenizer, parse_condition(attributes, names, trained["scale"]), names)
+    return [insert_condition(ids, None, condition, tokenizer.bos_token_id)[0] for ids in prompts]
+
+
 def run_generation(job: dict) -> None:
     """One rank: load the checkpoint under TP x PP, generate this data-parallel rank's share, rank 0 writes."""
     import torch.distributed as dist
@@ -112,6 +129,8 @@ def run_generation(job: dict) -> None:
     load_weights(model_dir, model)
     tokenizer = load_tokenizer(model_dir / "tokenizer") if (model_dir / "tokenizer").is_dir() else None
     prompts = read_prompts(job["prompts"], tokenizer, vocab_size)
+    if values["steerlm.attributes"]:
+        prompts = steer(prompts, values["steerlm.attributes"], model_dir, tokenizer)
     params = sampling_params(values)
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -159,6 +178,15 @@ def generate_main(argv: list[str]) -> int:
         for what, path in (("--model", args.model), ("--prompts", args.prompts)):
             if not Path(path).exists():
                 raise UsageError(f"{what} {path} does not exist")
+        if values["steerlm.attributes"]:  # checked here, before any rank starts
+            from aligner.data.steerlm import parse_condition
+            from aligner.models.checkpoint import read_metadata
+
+            trained = read_metadata(args.model).get("steerlm")
+            if trained is None:
+                raise UsageError(f"steerlm.attributes: {args.model} is not a SteerLM checkpoint "
+                                 f"(train one with `aligner train steerlm`)")
+            parse_condition(values["steerlm.attributes"], trained["attributes"], trained["scale"])
     except (UsageError, ValueError) as e:
         print(f"aligner generate: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,176 @@
+"""SteerLM: the condition format and its errors, labels from a regression reward model equal its
+in-process scores, and `aligner train steerlm` learns to follow an attribute that `aligner generate
+... steerlm.attributes=...` then steers."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+NAMES = ["helpfulness", "verbosity"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_assets):
+    from aligner.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_assets / "tokenizer")
+
+
+# ---- the condition -----------------------------------------------------------------------------------
+def test_condition_goes_after_bos_and_outside_the_loss(tokenizer):
+    from aligner.data.steerlm import condition_ids, condition_text, insert_condition
+
+    values = {"verbosity": 1, "helpfulness": 3}
+    assert condition_text(values, NAMES) == "<attributes>helpfulness:3,verbosity:1</attributes>"
+    cond = condition_ids(tokenizer, values, NAMES)
+    assert tokenizer.decode(cond) == condition_text(values, NAMES)
+    assert insert_condition([9, 5, 6], [0, 1, 1], [7, 8], bos_id=9) == ([9, 7, 8, 5, 6], [0, 0, 0, 1, 1])
+    assert insert_condition([5, 6], [0, 1], [7, 8], bos_id=9) == ([7, 8, 5, 6], [0, 0, 0, 1])
+    assert insert_condition([5, 6], None, [7], bos_id=None) == ([7, 5, 6], None)
+
+
+@pytest.mark.parametrize("record, fragment", [
+    ({}, "expected 'attributes' to be an object"),
+    ({"attributes": {"helpfulness": 2}}, "missing 'verbosity'"),
+    ({"attributes": {"helpfulness": 2, "verbosity": 5}}, r"attributes.verbosity: expected an integer in \[0, 4\]"),
+    ({"attributes": {"helpfulness": 2.5, "verbosity": 1}}, "attributes.helpfulness"),
+])
+def test_bad_attributes_name_the_key(record, fragment):
+    from aligner.data.jsonl import DataError
+    from aligner.data.steerlm import parse_attributes
+
+    with pytest.raises(DataError, match=fragment):
+        parse_attributes(record, NAMES, 4)
+
+
+def test_generation_condition_must_name_every_trained_attribute():
+    from aligner.data.steerlm import parse_condition
+
+    assert parse_condition("verbosity:1, helpfulness:4", NAMES, 4) == {"helpfulness": 4, "verbosity": 1}
+    with pytest.raises(ValueError, match="missing: verbosity"):
+        parse_condition("helpfulness:4", NAMES, 4)
+    with pytest.raises(ValueError, match="unknown: tone"):
+        parse_condition("helpfulness:4,verbosity:1,tone:2", NAMES, 4)
+    with pytest.raises(ValueError, match="not name:integer"):
+        parse_condition("helpfulness=4,verbosity:1", NAMES, 4)
+
+
+def test_sft_loader_conditions_each_sample_and_names_file_and_line(tokenizer, tmp_path):
+    from aligner.data.jsonl import DataError
+    from aligner.data.sft import load_sft_dataset, tokenize_record
+    from aligner.data.steerlm import condition_ids, parse_attributes
+
+    records = [{"input": "What is 2+3? ", "output": "5", "attributes": {"helpfulness": 4, "verbosity": 0}},
+               {"messages": [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"}],
+                "attributes": {"helpfulness": 1, "verbosity": 3}}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def prefix(record):
+        return condition_ids(tokenizer, parse_attributes(record, NAMES, 4), NAMES)
+
+    data = load_sft_dataset(path, tokenizer, prefix=prefix)
+    for record, sample in zip(records, data):
+        ids, mask = tokenize_record(record, tokenizer)
+        cond = prefix(record)
+        at = 1 if ids[:1] == [tokenizer.bos_token_id] else 0
+        assert sample.ids == ids[:at] + cond + ids[at:]
+        assert sample.loss_mask == mask[:at] + [0] * len(cond) + mask[at:]
+    path.write_text(json.dumps(records[0]) + "\n" + json.dumps({"input": "a", "output": "b"}) + "\n")
+    with pytest.raises(DataError, match=r"d.jsonl:2: expected 'attributes'"):
+        load_sft_dataset(path, tokenizer, prefix=prefix)
+
+
+# ---- labels from a regression reward model ----------------------------------------------------------
+def test_label_attributes_round_and_clip_the_reward_models_scores(tiny_assets, tokenizer, tmp_path):
+    from omegaconf import OmegaConf
+
+    from aligner.config.schema import ModelConfig
+    from aligner.models import checkpoint
+    from aligner.models.gpt import build_gpt
+    from aligner.models.heads import attach_scalar_head
+    from aligner.models.hf_convert import single_process
+    from aligner.runtime.seeding import seed_everything
+    from aligner.servers.engine import score_checkpoint
+
+    cfg = OmegaConf.structured(ModelConfig)
+    with single_process():
+        seed_everything(7)
+        rm = attach_scalar_head(build_gpt(cfg, len(tokenizer)), 2)
+        with torch.no_grad():
+            # scores spread over 3..8 (seed 7): labels 3 and 4, some clipped at scale 4
+            rm.output_layer.weight.mul_(torch.tensor([[-10.0], [-14.3]]))
+        checkpoint.save_checkpoint(tmp_path / "rm", rm, cfg, len(tokenizer), head="reward", tokenizer=tokenizer,
+                                   extra_meta={"scalar_head": {"num_outputs": 2, "attributes": NAMES,
+                                                               "loss": "regression"}})
+    records = [{"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
+                             {"role": "assistant", "content": str(a + b + (a * b) % 3)}]} for a in range(4)
+               for b in range(3)] + [{"input": "What is 9*9? ", "output": "81"}]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = run_cli("label-attributes", "--rm", str(tmp_path / "rm"), "--data", str(tmp_path / "sft.jsonl"),
+                     "--out", str(tmp_path / "labelled.jsonl"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    labelled = [json.loads(line) for line in (tmp_path / "labelled.jsonl").read_text().splitlines()]
+
+    def scored_ids(record):  # what the reward model was trained to score: the rendered text + eos
+        text = (tokenizer.apply_chat_template(record["messages"], tokenize=False) if "messages" in record
+                else record["input"] + record["output"])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids if ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+
+    scores = score_checkpoint(tmp_path / "rm", [scored_ids(r) for r in records])
+    expected = [{n: min(4, max(0, math.floor(s + 0.5))) for n, s in zip(NAMES, row)} for row in scores.tolist()]
+    assert [r["attributes"] for r in labelled] == expected
+    assert [{k: v for k, v in r.items() if k != "attributes"} for r in labelled] == records
+    assert len({tuple(e.values()) for e in expected}) > 2 and scores.max() > 4.5  # not one label; clipping
+
+
+# ---- train, then steer ------------------------------------------------------------------------------
+def test_steerlm_learns_to_follow_an_attribute(tiny_assets, tmp_path):
+    """verbosity 0: the answer once; verbosity 2: the answer six times. Prompts held out."""
+    def record(a, b, verbosity):
+        answer = " ".join([str(a + b)] * (1 if verbosity == 0 else 6))
+        return {"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
+                             {"role": "assistant", "content": answer}],
+                "attributes": {"helpfulness": 4, "verbosity": verbosity}}
+
+    train = [record(a, b, v) for a in range(8) for b in range(8) for v in (0, 2)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "steerlm", f"run_dir={run_dir}", f"data.train_path={tmp_path / 'train.jsonl'}",
+                     f"tokenizer.path={tiny_assets / 'tokenizer'}", "steerlm.attributes=[helpfulness,verbosity]",
+                     "trainer.max_steps=80", "trainer.global_batch_size=32", "trainer.micro_batch_size=16",
+                     "optim.lr=3e-3", "optim.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ckpt = run_dir / "checkpoints" / "step_000080"
+    meta = json.loads((ckpt / "aligner.json").read_text())
+    assert meta["steerlm"] == {"attributes": ["helpfulness", "verbosity"], "scale": 4}
+
+    from aligner.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_assets / "tokenizer")
+    held_out = [(a, b) for a in range(8, 10) for b in range(10)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"What is {a}+{b}?"}], tokenize=False, add_generation_prompt=True)}) + "\n"
+        for a, b in held_out))
+    lengths = {}
+    for verbosity in (0, 2):
+        out = tmp_path / f"gen_{verbosity}.jsonl"
+        result = run_cli("generate", "--model", str(ckpt), "--prompts", str(prompts), "--out", str(out),
+                         "sampling.greedy=true", "sampling.max_new_tokens=24",
+                         f"steerlm.attributes=helpfulness:4,verbosity:{verbosity}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        lengths[verbosity] = [len(json.loads(line)["response"].split()) for line in out.read_text().splitlines()]
+    short = sum(n == 1 for n in lengths[0]) / len(held_out)
+    long = sum(n >= 4 for n in lengths[2]) / len(held_out)
+    print(f"SteerLM held-out: verbosity 0 -> one answer {short:.2f}; verbosity 2 -> >= 4 answers {long:.2f}")
+    assert short >= 0.8 and long >= 0.8, lengths
+    bad = run_cli("generate", "--model", str(ckpt), "--prompts", str(prompts), "--out", str(tmp_path / "x.jsonl"),
+                  "steerlm.attributes=helpfulness:4")
+    assert bad.returncode == 2 and "missing: verbosity" in bad.stderr
