@@ -575,20 +575,37 @@ class KTO(PreferenceAlgorithm):
         return loss, torch.tensor(len(sums), device=sums.device), report
 
 
+class SFTObjective(PreferenceAlgorithm):
+    """SFT's next-token NLL through the sequence machinery, for packed SFT batches: one sequence per
+    sample, loss = -(sum of its loss-token log-probs), count = loss tokens (as padded SFT)."""
+
+    def sequences(self, sample) -> list:
+        return [(sample.ids, sample.loss_mask)]
+
+    def loss(self, sums, counts, batch):
+        loss = -sums.sum()
+        return loss, counts.sum(), {"loss": loss.detach()}
+
+
+def check_packing(cfg) -> None:
+    from aligner.models.gpt import use_transformer_engine
+
+    if cfg.data.packing and use_transformer_engine(cfg.model.transformer_impl):
+        raise ValueError("data.packing=true needs the local layer spec (model.transformer_impl=local): the "
+                         "Transformer-Engine attention ignores the block-causal mask and its THD packed format "
+                         "is not wired in yet")
+
+
 # ---- entry point ------------------------------------------------------------------------------------------
 def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
     """One rank of `aligner train <dpo|orpo|simpo|kto>` with a validated config."""
     from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
     from aligner.data.tokenizer import load_tokenizer, model_vocab_size
-    from aligner.models.gpt import use_transformer_engine
     from aligner.models.training import wrap_for_training
     from aligner.runtime import distributed
 
     m, d = cfg.model, cfg.data
-    if d.packing and use_transformer_engine(m.transformer_impl):
-        raise ValueError("data.packing=true needs the local layer spec (model.transformer_impl=local): the "
-                         "Transformer-Engine attention ignores the block-causal mask and its THD packed format "
-                         "is not wired in yet")
+    check_packing(cfg)
     distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)

@@ -33,6 +33,7 @@ def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
     """One rank of `aligner train sft` with a validated config. `condition(record, tokenizer)` gives
     ids to put at the start of each sample outside the loss (SteerLM), `extra_meta` goes into every
     checkpoint's metadata."""
+    from aligner.algorithms.preference import check_packing
     from aligner.data.sft import load_sft_dataset
     from aligner.data.tokenizer import load_tokenizer, model_vocab_size
     from aligner.models.gpt import build_gpt
@@ -40,6 +41,7 @@ def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
     from aligner.runtime import distributed
 
     m = cfg.model
+    check_packing(cfg)
     distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
@@ -50,9 +52,19 @@ def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
         return load_sft_dataset(path, tokenizer, d.format, d.max_length, d.overlong, prefix=prefix)
 
     train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
+    if d.packing:  # several samples per row: the sequence machinery of the preference trainers
+        from aligner.algorithms import preference as p
 
-    model, optimizer, scheduler = wrap_for_training(build_gpt(m, vocab_size), m, cfg.optim)
-    trainer = Trainer(cfg, model, optimizer, scheduler, make_forward_step(sft_loss, vocab_size), train, val,
-                      SFTFormat(tokenizer.pad_token_id), vocab_size, tokenizer, extra_meta=extra_meta)
+        objective = p.SFTObjective()
+        model, optimizer, scheduler = wrap_for_training(p.build_policy(m, vocab_size), m, cfg.optim)
+        trainer = p.PreferenceTrainer(cfg, model, optimizer, scheduler,
+                                      p.make_sequence_forward_step(objective.loss, vocab_size), train, val,
+                                      p.PreferenceFormat(objective, tokenizer.pad_token_id), vocab_size, tokenizer,
+                                      extra_meta=extra_meta, algorithm=objective, reference_mode=None,
+                                      packing={"packed": True, "capacity": d.pack_length})
+    else:
+        model, optimizer, scheduler = wrap_for_training(build_gpt(m, vocab_size), m, cfg.optim)
+        trainer = Trainer(cfg, model, optimizer, scheduler, make_forward_step(sft_loss, vocab_size), train, val,
+                          SFTFormat(tokenizer.pad_token_id), vocab_size, tokenizer, extra_meta=extra_meta)
     trainer.fit()
     distributed.shutdown()

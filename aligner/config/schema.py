@@ -58,6 +58,12 @@ class DataConfig:
 
 
 @dataclass
+class PackableDataConfig(DataConfig):
+    packing: bool = False  # several sequences per row with block-causal attention (local layer spec)
+    pack_length: Optional[int] = None  # most positions in a packed row; None = the step's longest sequence or pair
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -115,6 +121,7 @@ class TrainRunConfig:
 @dataclass
 class SFTRunConfig(TrainRunConfig):
     run_dir: str = "runs/sft"
+    data: PackableDataConfig = field(default_factory=PackableDataConfig)
 
 
 @dataclass
@@ -124,7 +131,7 @@ class SteerLMConfig:
 
 
 @dataclass
-class SteerLMRunConfig(TrainRunConfig):
+class SteerLMRunConfig(SFTRunConfig):
     run_dir: str = "runs/steerlm"
     steerlm: SteerLMConfig = field(default_factory=SteerLMConfig)
 
@@ -227,10 +234,8 @@ class VerifierServeConfig:
 
 # ---- preference optimisation (aligner/algorithms/preference.py) ----------------------------------------
 @dataclass
-class PreferenceDataConfig(DataConfig):
+class PreferenceDataConfig(PackableDataConfig):
     overlong: str = "drop"  # drop | truncate (keeps the start; needs a response token left)
-    packing: bool = False  # several sequences per row with block-causal attention (local layer spec)
-    pack_length: Optional[int] = None  # most positions in a packed row; None = the step's longest sequence or pair
 
 
 class ReferenceMode(Enum):
