@@ -20,7 +20,8 @@ from pathlib import Path
 # algorithm -> module with `main(argv)` (a launched rank) and `run(cfg)` (in this process)
 TRAINERS = {"sft": "aligner.algorithms.sft", "rm": "aligner.algorithms.reward_model",
             "dpo": "aligner.algorithms.dpo", "orpo": "aligner.algorithms.orpo", "simpo": "aligner.algorithms.simpo",
-            "kto": "aligner.algorithms.kto", "steerlm": "aligner.algorithms.steerlm"}
+            "kto": "aligner.algorithms.kto", "steerlm": "aligner.algorithms.steerlm",
+            "spin": "aligner.algorithms.spin"}
 
 
 def _under_external_launcher() -> bool:

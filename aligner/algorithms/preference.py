@@ -225,6 +225,13 @@ class Reference:
         else:
             self.model = model
 
+    def load_from(self, params: dict[str, torch.Tensor]) -> None:
+        """Make `params` (a model's named parameters) the reference weights (SPIN renews it)."""
+        target = self.weights if self.mode == "cpu_swap" else _params(self.model)
+        with torch.no_grad():
+            for name, p in params.items():
+                target[name].copy_(p)
+
     @contextlib.contextmanager
     def _swapped_in(self):
         params = _params(self.policy)

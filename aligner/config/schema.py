@@ -278,6 +278,25 @@ class DPORunConfig(TrainRunConfig):
 
 
 @dataclass
+class SPINConfig:
+    steps_per_iteration: int = 10  # DPO steps on one iteration's pairs; trainer.max_steps sets the iterations
+    greedy: bool = False  # the policy's generations: greedy, or sampled with temperature / top_p
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    seed: int = 0
+    generation_batch_size: int = 32  # prompts per generate call on each data-parallel replica
+
+
+@dataclass
+class SPINRunConfig(TrainRunConfig):
+    run_dir: str = "runs/spin"
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    spin: SPINConfig = field(default_factory=SPINConfig)
+
+
+@dataclass
 class ORPOConfig:
     odds_ratio_weight: float = 0.1  # lambda: weight of the odds-ratio term next to the chosen NLL
 
@@ -323,4 +342,5 @@ COMMANDS = {"sft": ("sft", SFTRunConfig), "rm": ("rm", RMRunConfig),
             "serve_reward": ("serve_reward", RewardServeConfig), "serve_critic": ("serve_critic", CriticServeConfig),
             "serve_verifier": ("serve_verifier", VerifierServeConfig),
             "dpo": ("dpo", DPORunConfig), "orpo": ("orpo", ORPORunConfig), "simpo": ("simpo", SimPORunConfig),
-            "kto": ("kto", KTORunConfig), "steerlm": ("steerlm", SteerLMRunConfig)}
+            "kto": ("kto", KTORunConfig), "steerlm": ("steerlm", SteerLMRunConfig),
+            "spin": ("spin", SPINRunConfig)}

@@ -72,3 +72,13 @@ def validate(cfg, world_size: int) -> None:
                   f"{list(s.attributes)}")
         if s.scale < 1:
             _fail(f"steerlm.scale must be >= 1 (values are integers in [0, scale]), got {s.scale}")
+    if "spin" in cfg:
+        if cfg.spin.steps_per_iteration < 1 or cfg.spin.max_new_tokens < 1:
+            _fail("spin.steps_per_iteration and spin.max_new_tokens must be >= 1")
+        mode = getattr(cfg.reference.mode, "value", cfg.reference.mode)
+        if mode == "precompute":
+            _fail("reference.mode=precompute does not apply to SPIN: its reference changes every iteration; "
+                  "use reference.mode=model or cpu_swap")
+        loss = getattr(cfg.dpo.loss_type, "value", cfg.dpo.loss_type)
+        if str(loss).startswith("rpo"):
+            _fail(f"dpo.loss_type={loss} needs rewards in the data; SPIN's generated pairs have none")

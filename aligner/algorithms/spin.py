@@ -1,0 +1,172 @@
+"""`aligner train spin`: Self-Play fIne-tuNing (Chen et al. 2024, "Self-Play Fine-Tuning Converts Weak
+Language Models to Strong Language Models").
+
+The data is an SFT file. Training runs in iterations of `spin.steps_per_iteration` optimizer steps;
+at the start of iteration k:
+  1. the reference becomes the current policy (the "opponent" of the paper),
+  2. the policy generates one response per prompt with the in-process generation engine (sharing
+     the trainer's weights; prompts split over data-parallel replicas, sample i of iteration k
+     seeded with (spin.seed, k * n + i)),
+  3. each prompt becomes a DPO pair: chosen = the ground-truth response, rejected = the generation.
+The iteration then trains DPO (`dpo.*`, sigmoid by default: the SPIN loss with the logistic loss)
+on those pairs. A prompt's "response" is everything from the first trained token of the SFT sample
+on (its loss mask), so single-turn data is what this expects.
+
+Resume: a checkpoint is written at every iteration boundary and the iteration's pairs are kept in
+`<run_dir>/spin/iteration_<k>.pt`; a run resumed inside iteration k reads its pairs back and takes
+its reference from the boundary checkpoint (step k * steps_per_iteration), so the resumed steps
+equal an uninterrupted run. Metrics: DPO's, plus `spin/iteration` on every step and, on the first
+step of an iteration, `spin/gen_match` (fraction of ground-truth response tokens the generation
+reproduces at the same position), `spin/exact` (identical responses) and `spin/response_length`.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from aligner.algorithms.preference import DPO, PreferenceFormat, PreferenceTrainer, _params, \
+    make_sequence_forward_step
+from aligner.data.preference import PreferencePair
+
+log = logging.getLogger(__name__)
+
+
+def split_sample(ids: list[int], loss_mask: list[int]) -> tuple[list[int], list[int]]:
+    """An SFT sample -> (prompt ids, ground-truth response ids): the response starts at the first
+    trained token."""
+    start = loss_mask.index(1)
+    return ids[:start], ids[start:]
+
+
+def spin_pairs(prompts: list[list[int]], truths: list[list[int]], generations: list[list[int]],
+               max_length: int) -> list:
+    """chosen = prompt + ground truth, rejected = prompt + generation (cut to `max_length` tokens)."""
+    return [PreferencePair(chosen=p + t, rejected=(p + g)[:max_length], chosen_start=len(p), rejected_start=len(p))
+            for p, t, g in zip(prompts, truths, generations)]
+
+
+def generation_metrics(truths: list[list[int]], generations: list[list[int]]) -> dict:
+    matched = sum(sum(a == b for a, b in zip(t, g)) for t, g in zip(truths, generations))
+    return {"spin/gen_match": matched / max(1, sum(map(len, truths))),
+            "spin/exact": sum(t == g for t, g in zip(truths, generations)) / len(truths),
+            "spin/response_length": sum(map(len, generations)) / len(generations)}
+
+
+class SPINTrainer(PreferenceTrainer):
+    """The preference loop whose pairs and reference are renewed at each iteration boundary."""
+
+    def __init__(self, *args, prompts, truths, engine, spin_cfg, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prompts, self.truths, self.engine, self.spin = prompts, truths, engine, spin_cfg
+        self.iteration = -1  # the iteration whose pairs are loaded
+        self.pending: dict = {}  # generation metrics, reported with the iteration's first step
+
+    def _pairs_path(self, k: int) -> Path:
+        return self.run_dir / "spin" / f"iteration_{k}.pt"
+
+    def _boundary_checkpoint(self, k: int) -> Path:
+        return self.run_dir / "checkpoints" / f"step_{k * self.spin.steps_per_iteration:06d}"
+
+    def resume(self) -> None:
+        super().resume()  # the reference starts as the initial policy
+        k, inside = divmod(self.step, self.spin.steps_per_iteration)
+        if inside:  # resumed inside iteration k: its pairs, and the policy of its first step as reference
+            self.train_data = torch.load(self._pairs_path(k), weights_only=False)
+            if k > 0:
+                self._reference_from_checkpoint(self._boundary_checkpoint(k))
+            self.iteration = k
+
+    def _reference_from_checkpoint(self, path: Path) -> None:
+        from aligner.algorithms.preference import build_policy
+        from aligner.models.checkpoint import load_weights
+
+        m = self.cfg.model
+        weights = build_policy(m, self.vocab_size)
+        load_weights(path, weights)
+        self.reference.load_from(_params(weights))
+
+    def _start_iteration(self, k: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        from aligner.generation import rng
+        from aligner.generation.types import SamplingParams
+
+        if k > 0 and not self._boundary_checkpoint(k).exists():
+            self.save()  # a resumed run inside iteration k reads its reference from here
+        self.reference.load_from(_params(self.model))
+        s = self.spin
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, greedy=s.greedy,
+                                max_new_tokens=s.max_new_tokens, seed=s.seed)
+        n = len(self.prompts)
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        share = -(-n // dp)
+        mine = list(range(dp_rank * share, min(n, (dp_rank + 1) * share)))
+        was_training = self.model.training
+        rollout = self.engine.generate([self.prompts[i] for i in mine], params,
+                                       seeds=[rng.derive_seed(s.seed, k * n + i) for i in mine])
+        self.model.train(was_training)
+        parts = [None] * dp
+        dist.all_gather_object(parts, rollout.responses(), group=ps.get_data_parallel_group())
+        generations = [g for part in parts for g in part]
+        self.train_data = spin_pairs(self.prompts, self.truths, generations, self.cfg.data.max_length)
+        self.pending = {**generation_metrics(self.truths, generations)}
+        if dist.get_rank() == 0:
+            path = self._pairs_path(k)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.train_data, path.with_suffix(".partial"))
+            path.with_suffix(".partial").replace(path)
+        dist.barrier()
+        self.iteration = k
+        if self.is_logger:
+            log.info("SPIN iteration %d: %d pairs, generation matches %.3f of the ground truth", k, n,
+                     self.pending["spin/gen_match"])
+
+    def train_step(self) -> dict:
+        k = self.step // self.spin.steps_per_iteration
+        if k != self.iteration:
+            self._start_iteration(k)
+        metrics = super().train_step()
+        metrics.update(self.pending, **{"spin/iteration": k})
+        self.pending = {}
+        return metrics
+
+
+def main(argv: list[str]) -> None:
+    """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
+    from aligner.config import load_resolved
+
+    run(load_resolved(argv[0], "spin"))
+
+
+def run(cfg) -> None:
+    """One rank of `aligner train spin` with a validated config."""
+    from aligner.data.sft import load_sft_dataset
+    from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+    from aligner.generation.megatron_engine import MegatronEngine
+    from aligner.models.gpt import build_gpt
+    from aligner.models.training import wrap_for_training
+    from aligner.runtime import distributed
+
+    m, d = cfg.model, cfg.data
+    distributed.start_training_rank(cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
+    sft = load_sft_dataset(d.train_path, tokenizer, d.format, d.max_length, d.overlong)
+    prompts, truths = zip(*(split_sample(s.ids, s.loss_mask) for s in sft))
+    # The model reads row positions (no packing), which is what the generation engine runs.
+    model, optimizer, scheduler = wrap_for_training(build_gpt(m, vocab_size), m, cfg.optim)
+    engine = MegatronEngine(model, m, vocab_size, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                            tokenizer=tokenizer, max_batch_size=cfg.spin.generation_batch_size)
+    dpo = DPO(cfg.dpo)
+    mode = getattr(cfg.reference.mode, "value", cfg.reference.mode)
+    placeholder = spin_pairs(list(prompts), list(truths), list(truths), d.max_length)  # replaced at the first step
+    trainer = SPINTrainer(cfg, model, optimizer, scheduler, make_sequence_forward_step(dpo.loss, vocab_size),
+                          placeholder, None, PreferenceFormat(dpo, tokenizer.pad_token_id), vocab_size, tokenizer,
+                          algorithm=dpo, reference_mode=mode, packing={"packed": False, "capacity": None},
+                          prompts=list(prompts), truths=list(truths), engine=engine, spin_cfg=cfg.spin)
+    trainer.fit()
+    distributed.shutdown()
+
