@@ -1,7 +1,8 @@
 """SPIN end to end on a weak SFT model: the reference is reset at every iteration boundary (the first
 step of each iteration has loss ln 2: policy = reference), DPO pulls the policy towards the ground
 truth within each iteration, its greedy generations reproduce more of the ground truth from one
-iteration to the next, and a run resumed inside an iteration continues it bitwise."""
+iteration to the next, a run resumed inside an iteration continues it bitwise, and DP=2 / TP=2 runs
+match one process."""
 from __future__ import annotations
 
 import math
@@ -53,8 +54,13 @@ def test_spin_iterations_reset_the_reference_and_move_towards_the_ground_truth(t
     assert match[-1] > match[0] and exact[-1] > exact[0]
 
 
-def test_spin_resumes_inside_an_iteration_bitwise(tiny_assets, weak_policy, tmp_path):
-    straight = spin(tiny_assets, weak_policy, tmp_path / "straight", "trainer.max_steps=8")
+@pytest.fixture(scope="module")
+def straight(tiny_assets, weak_policy, tmp_path_factory):
+    """Two iterations in one process, uninterrupted: the reference of the tests below."""
+    return spin(tiny_assets, weak_policy, tmp_path_factory.mktemp("straight"), "trainer.max_steps=8")
+
+
+def test_spin_resumes_inside_an_iteration_bitwise(tiny_assets, weak_policy, straight, tmp_path):
     run_dir = tmp_path / "resumed"
     spin(tiny_assets, weak_policy, run_dir, "trainer.max_steps=6")  # stops inside iteration 1
     assert (run_dir / "spin" / "iteration_1.pt").exists()
@@ -63,3 +69,14 @@ def test_spin_resumes_inside_an_iteration_bitwise(tiny_assets, weak_policy, tmp_
     for ours, ref in zip(resumed, straight):
         for key in ("loss", "grad_norm", "reward/margin", "accuracy"):
             assert ours[key] == ref[key], (ours["step"], key)
+
+
+@pytest.mark.parametrize("layout", [["launcher.nproc_per_node=2"],
+                                    ["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"]],
+                         ids=["dp2", "tp2"])
+def test_spin_on_two_ranks_matches_one_process(tiny_assets, weak_policy, straight, tmp_path, layout):
+    """Generation split over data-parallel replicas (or tensor-parallel), then DPO: the same two iterations."""
+    ours = spin(tiny_assets, weak_policy, tmp_path / "run", "trainer.max_steps=8", *layout)
+    for a, b in zip(ours, straight):
+        assert a.get("spin/gen_match") == b.get("spin/gen_match")
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
