@@ -88,3 +88,15 @@ def test_command_specific_rules_fail_before_launch(command, overrides, fragment)
 def test_spin_rules_fail_before_launch(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config("spin", REQUIRED + overrides, world_size=1)
+
+
+@pytest.mark.parametrize("command, overrides, fragment", [
+    ("rm", ["rm.loss=regression"], "rm.loss=regression needs rm.attributes"),
+    ("rm", ["rm.attributes=[a]"], "only used by rm.loss=regression"),
+    ("dpo", ["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"], "applies to dpo.loss_type=sigmoid or robust"),
+    ("dpo", ["dpo.label_smoothing=0.5"], r"in \[0, 0.5\)"),
+    ("dpo", ["data.packing=true", "model.transformer_impl=transformer_engine"], "needs the local layer spec"),
+])
+def test_algorithm_rules_fail_before_launch(command, overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(command, REQUIRED + overrides, world_size=1)

@@ -218,11 +218,6 @@ def run(cfg) -> None:
     m, rm, d = cfg.model, cfg.rm, cfg.data
     loss = rm.loss.value if hasattr(rm.loss, "value") else str(rm.loss)
     attributes = list(rm.attributes)
-    if loss == "regression" and not attributes:
-        raise ValueError("rm.loss=regression needs rm.attributes: the names of the labels to regress, e.g. "
-                         "rm.attributes=[helpfulness,correctness]")
-    if loss != "regression" and attributes:
-        raise ValueError(f"rm.attributes is only used by rm.loss=regression (got rm.loss={loss})")
     distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)

@@ -82,3 +82,19 @@ def validate(cfg, world_size: int) -> None:
         loss = getattr(cfg.dpo.loss_type, "value", cfg.dpo.loss_type)
         if str(loss).startswith("rpo"):
             _fail(f"dpo.loss_type={loss} needs rewards in the data; SPIN's generated pairs have none")
+    if "rm" in cfg:
+        loss = getattr(cfg.rm.loss, "value", cfg.rm.loss)
+        if loss == "regression" and not cfg.rm.attributes:
+            _fail("rm.loss=regression needs rm.attributes: the names of the labels to regress, e.g. "
+                  "rm.attributes=[helpfulness,correctness]")
+        if loss != "regression" and cfg.rm.attributes:
+            _fail(f"rm.attributes is only used by rm.loss=regression (got rm.loss={loss})")
+    if "dpo" in cfg:
+        loss, smoothing = getattr(cfg.dpo.loss_type, "value", cfg.dpo.loss_type), cfg.dpo.label_smoothing
+        if smoothing and loss not in ("sigmoid", "robust"):
+            _fail(f"dpo.label_smoothing applies to dpo.loss_type=sigmoid or robust, not {loss}")
+        if not 0 <= smoothing < 0.5:
+            _fail(f"dpo.label_smoothing is a label-flip probability in [0, 0.5), got {smoothing}")
+    if cfg.data.get("packing") and cfg.model.transformer_impl == "transformer_engine":
+        _fail("data.packing=true needs the local layer spec (model.transformer_impl=local or auto on a host "
+              "without Transformer Engine)")
