@@ -7,6 +7,8 @@ every other line must hold one JSON object. Errors are `DataError`s whose messag
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -16,6 +18,34 @@ _JSON_TYPE = {list: "an array", str: "a string", int: "a number", float: "a numb
 
 class DataError(ValueError):
     """A data file or one of its records is missing or malformed; the message says where and what was expected."""
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What loading a data file kept, cut and dropped."""
+
+    records: int  # non-blank lines read
+    samples: int  # samples kept
+    truncated: int  # kept, but cut to max_length
+    dropped: int  # overlong under overlong="drop", or nothing left to train on
+    max_length: int
+
+    def __str__(self) -> str:
+        return (f"{self.samples} samples, {self.truncated} truncated to {self.max_length} tokens, "
+                f"{self.dropped} dropped")
+
+
+class TokenizedDataset(Sequence):
+    """The tokenized samples of one file, with the counts of what was truncated or dropped."""
+
+    def __init__(self, samples: list, stats: LoadStats, path: str | Path | None = None):
+        self.samples, self.stats, self.path = samples, stats, path
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
 
 
 def json_type(value) -> str:

@@ -37,11 +37,10 @@ import json
 import logging
 import math
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from aligner.data.jsonl import DataError, json_type, read_jsonl
+from aligner.data.jsonl import DataError, LoadStats, TokenizedDataset, json_type, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -72,30 +71,8 @@ class UnpairedSample:
     reference: tuple[float, float] | None = None  # precomputed reference log-prob sums (completion, kl)
 
 
-@dataclass(frozen=True)
-class PreferenceStats:
-    records: int
-    samples: int
-    truncated: int
-    dropped: int
-    max_length: int
-
-    def __str__(self) -> str:
-        return (f"{self.samples} samples, {self.truncated} truncated to {self.max_length} tokens, "
-                f"{self.dropped} dropped")
-
-
-class PreferenceDataset(Sequence):
-    """The tokenized samples of one file (pairs or unpaired), with counts of what was cut or dropped."""
-
-    def __init__(self, samples: list, stats: PreferenceStats, path: str | Path | None = None):
-        self.samples, self.stats, self.path = samples, stats, path
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index):
-        return self.samples[index]
+class PreferenceDataset(TokenizedDataset):
+    """The tokenized pairs (or unpaired samples) of one file, which may carry reference log-probs."""
 
     def with_reference(self, values) -> "PreferenceDataset":
         """A copy whose sample i carries `values[i]` (two floats) as its reference log-probs."""
@@ -275,7 +252,7 @@ def _check_options(fmt: str, max_length: int, overlong: str) -> None:
 
 
 def _finish(path, samples, records, truncated, dropped, max_length, overlong) -> PreferenceDataset:
-    stats = PreferenceStats(records, len(samples), truncated, dropped, max_length)
+    stats = LoadStats(records, len(samples), truncated, dropped, max_length)
     log.info("%s: %s", path, stats)
     if not samples:
         raise DataError(f"{path}: none of its {records} records gave a usable sample ({dropped} dropped at "

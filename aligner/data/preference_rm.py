@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from aligner.data.jsonl import DataError, json_type, read_jsonl
+from aligner.data.jsonl import DataError, LoadStats, TokenizedDataset, json_type, read_jsonl
 from aligner.data.sft import _adds_bos, _check_chat
 
 log = logging.getLogger(__name__)
@@ -48,29 +48,6 @@ class RegressionSample:
     ids: list[int]
     labels: list[float]  # one per attribute; 0.0 where masked
     label_mask: list[float]  # 1.0 where the attribute is labelled
-
-
-@dataclass(frozen=True)
-class RMStats:
-    records: int
-    samples: int
-    truncated: int
-    dropped: int
-    max_length: int
-
-    def __str__(self) -> str:
-        return f"{self.samples} samples, {self.truncated} truncated to {self.max_length} tokens, {self.dropped} dropped"
-
-
-class RMDataset(Sequence):
-    def __init__(self, samples: list, stats: RMStats):
-        self.samples, self.stats = samples, stats
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index):
-        return self.samples[index]
 
 
 def encode_for_reward(tokenizer, text: str) -> list[int]:
@@ -170,7 +147,7 @@ def tokenize_regression(obj: dict, tokenizer, attributes: Sequence[str], fmt: st
 
 
 def load_rm_dataset(path: str | Path, tokenizer, kind: str = "pairs", attributes: Sequence[str] = (),
-                    fmt: str = "auto", max_length: int = 256, overlong: str = "drop") -> RMDataset:
+                    fmt: str = "auto", max_length: int = 256, overlong: str = "drop") -> TokenizedDataset:
     """Read, validate and tokenize a reward-model JSONL file of `kind` "pairs" or "regression";
     malformed records raise DataError(`path:line: ...`)."""
     if overlong not in ("truncate", "drop"):
@@ -197,12 +174,12 @@ def load_rm_dataset(path: str | Path, tokenizer, kind: str = "pairs", attributes
             else:
                 sample = RegressionSample(sample.ids[:max_length], sample.labels, sample.label_mask)
         samples.append(sample)
-    stats = RMStats(records, len(samples), truncated, dropped, max_length)
+    stats = LoadStats(records, len(samples), truncated, dropped, max_length)
     log.info("%s: %s", path, stats)
     if not samples:
         raise DataError(f"{path}: none of its {records} records gave a usable sample ({dropped} dropped at "
                         f"max_length={max_length}, overlong={overlong!r})")
-    return RMDataset(samples, stats)
+    return TokenizedDataset(samples, stats)
 
 
 # ---- a synthetic preference task ---------------------------------------------------------------

@@ -10,16 +10,16 @@ Conventions:
 * Input/output (`{"input": ..., "output": ...}`): `[bos] + enc(input) + enc(output) + [eos]` with the loss
   on the output and the eos; the bos is there only if the tokenizer adds one by default (Llama-like).
 * Samples longer than `max_length` are truncated (the first `max_length` tokens kept) or dropped. A sample
-  with no trained label left (`loss_mask[1:]` all zero) is dropped. `SFTDataset.stats` counts both.
+  with no trained label left (`loss_mask[1:]` all zero) is dropped. The dataset's `stats` counts both.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from aligner.data.jsonl import DataError, json_type, read_jsonl
+from aligner.data.jsonl import DataError, LoadStats, TokenizedDataset, json_type, read_jsonl
 from aligner.data.steerlm import insert_condition
 
 log = logging.getLogger(__name__)
@@ -32,32 +32,6 @@ FORMATS = ("auto", "chat", "input_output")
 class Sample:
     ids: list[int]
     loss_mask: list[int]
-
-
-@dataclass(frozen=True)
-class SFTStats:
-    records: int  # non-blank lines read
-    samples: int  # samples kept
-    truncated: int  # kept, but cut to max_length
-    dropped: int  # overlong under overlong="drop", or with no trained token left
-    max_length: int
-
-    def __str__(self) -> str:
-        return (f"{self.samples} samples, {self.truncated} truncated to {self.max_length} tokens, "
-                f"{self.dropped} dropped")
-
-
-class SFTDataset(Sequence):
-    """The tokenized samples of one file, with the counts of what was truncated or dropped."""
-
-    def __init__(self, samples: list[Sample], stats: SFTStats):
-        self.samples, self.stats = samples, stats
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index):
-        return self.samples[index]
 
 
 # ---- tokenization ----------------------------------------------------------------------------------
@@ -168,7 +142,7 @@ def tokenize_record(obj: dict, tokenizer, fmt: str = "auto") -> tuple[list[int],
 
 # ---- loading ---------------------------------------------------------------------------------------
 def load_sft_dataset(path: str | Path, tokenizer, fmt: str = "auto", max_length: int = 256,
-                     overlong: str = "truncate", prefix: Callable[[dict], list[int]] | None = None) -> SFTDataset:
+                     overlong: str = "truncate", prefix: Callable[[dict], list[int]] | None = None) -> TokenizedDataset:
     """Read, validate and tokenize an SFT JSONL file; malformed records raise DataError(`path:line: ...`).
     `prefix(record)` gives ids to put at the start of each sample (after its bos), outside the loss
     (SteerLM's attribute condition)."""
@@ -197,9 +171,9 @@ def load_sft_dataset(path: str | Path, tokenizer, fmt: str = "auto", max_length:
             continue
         truncated += cut
         samples.append(Sample(ids, mask))
-    stats = SFTStats(records, len(samples), truncated, dropped, max_length)
+    stats = LoadStats(records, len(samples), truncated, dropped, max_length)
     log.info("%s: %s", path, stats)
     if not samples:
         raise DataError(f"{path}: none of its {records} records gave a usable sample ({dropped} dropped at "
                         f"max_length={max_length}, overlong={overlong!r})")
-    return SFTDataset(samples, stats)
+    return TokenizedDataset(samples, stats, path)
