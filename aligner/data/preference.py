@@ -41,10 +41,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aligner.data.jsonl import DataError, LoadStats, TokenizedDataset, json_type, read_jsonl
+from aligner.data.sft import adds_bos, check_messages
 
 log = logging.getLogger(__name__)
-
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -81,29 +80,12 @@ class PreferenceDataset(TokenizedDataset):
 
 
 # ---- records ---------------------------------------------------------------------------------------
-def _check_messages(messages, key: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        got = "an empty list" if messages == [] else json_type(messages)
-        raise DataError(f"expected '{key}' to be a string or a non-empty list of {{role, content}} messages, got {got}")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise DataError(f"{key}[{i}]: expected an object with 'role' and 'content', got {json_type(m)}")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise DataError(f"{key}[{i}]: expected 'role' to be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise DataError(f"{key}[{i}]: expected 'content' to be a string, got {json_type(content)}")
-        clean.append({"role": role, "content": content})
-    return clean
-
-
 def _response_messages(response, key: str) -> list[dict]:
     if isinstance(response, str):
         if not response:
             raise DataError(f"'{key}' is empty; a response needs at least one character")
         return [{"role": "assistant", "content": response}]
-    messages = _check_messages(response, key)
+    messages = check_messages(response, key)
     if messages[0]["role"] != "assistant":
         raise DataError(f"'{key}' must start with an assistant message, got role {messages[0]['role']!r}")
     if not any(m["content"] for m in messages):
@@ -122,11 +104,6 @@ def _split_conversations(chosen: list[dict], rejected: list[dict]) -> tuple[list
         raise DataError("without 'prompt', 'chosen' and 'rejected' must be conversations that share their "
                         "leading messages up to an assistant turn, and these share none")
     return chosen[:n], chosen[n:], rejected[n:]
-
-
-def _adds_bos(tokenizer) -> bool:
-    bos = tokenizer.bos_token_id
-    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -156,13 +133,13 @@ def encode_prompt_response(tokenizer, prompt, response, key: str) -> tuple[list[
             raise DataError("'prompt' is empty; the first response token would have nothing to be predicted from")
         if not response:
             raise DataError(f"'{key}' is empty; a response needs at least one character")
-        bos = [tokenizer.bos_token_id] if _adds_bos(tokenizer) else []
+        bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
         prompt_ids = bos + _encode(tokenizer, prompt)
         ids = bos + _encode(tokenizer, prompt + response) + [tokenizer.eos_token_id]
         return ids, _check_boundary(tokenizer, prompt_ids, ids, key)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat records need a tokenizer with a chat template, and this one has none")
-    head = _check_messages(prompt, "prompt") if not isinstance(prompt, str) else None
+    head = check_messages(prompt, "prompt") if not isinstance(prompt, str) else None
     if head is None:
         raise DataError(f"'{key}' is a message list, so 'prompt' must be one too, got a string")
     tail = _response_messages(response, key)
@@ -183,7 +160,7 @@ def _sides(obj: dict, fmt: str, keys: tuple[str, ...]):
     responses = [obj[k] for k in keys]
     if "prompt" not in obj:
         if len(keys) == 2 and all(isinstance(r, list) for r in responses):
-            prompt, *responses = _split_conversations(*(_check_messages(r, k) for r, k in zip(responses, keys)))
+            prompt, *responses = _split_conversations(*(check_messages(r, k) for r, k in zip(responses, keys)))
         else:
             raise DataError(f"expected 'prompt' (a string or a message list), but the record has none "
                             f"(keys: {sorted(obj)})")

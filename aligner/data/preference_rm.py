@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aligner.data.jsonl import DataError, LoadStats, TokenizedDataset, json_type, read_jsonl
-from aligner.data.sft import _adds_bos, _check_chat
+from aligner.data.sft import adds_bos, check_chat
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def encode_for_reward(tokenizer, text: str) -> list[int]:
     """Token ids a reward model scores for `text` (see the module doc)."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     bos = tokenizer.bos_token_id
-    if _adds_bos(tokenizer) and ids[:1] != [bos]:
+    if adds_bos(tokenizer) and ids[:1] != [bos]:
         ids = [bos] + ids
     if ids[-1:] != [tokenizer.eos_token_id]:
         ids.append(tokenizer.eos_token_id)
@@ -78,13 +78,13 @@ def _side(obj: dict, key: str, fmt: str) -> str | list:
         head = [] if prompt is None else prompt
         if not isinstance(head, list):
             raise DataError(f"'{key}' is a message list, so 'prompt' must be one too, got {json_type(prompt)}")
-        return _check_chat({"messages": head + response})
+        return check_chat({"messages": head + response})
     if not isinstance(response, str):
         raise DataError(f"expected '{key}' to be a string or a message list, got {json_type(response)}")
     if isinstance(prompt, list):
         if fmt == "input_output":
             raise DataError("'prompt' is a message list but data.format=input_output expects strings")
-        return _check_chat({"messages": prompt + [{"role": "assistant", "content": response}]})
+        return check_chat({"messages": prompt + [{"role": "assistant", "content": response}]})
     if not isinstance(prompt, str):
         raise DataError(f"expected 'prompt' to be a string or a message list, got {json_type(prompt)}")
     if fmt == "chat":
@@ -131,7 +131,7 @@ def reward_input_ids(obj: dict, tokenizer, fmt: str = "auto") -> list[int]:
     """The ids a regression reward model scores for one record: a whole conversation
     (`messages`), `prompt` + `response`, or an SFT record's `input` + `output`."""
     if "messages" in obj:
-        return _encode_side(_check_chat(obj), tokenizer)
+        return _encode_side(check_chat(obj), tokenizer)
     if "response" not in obj and "output" in obj:
         obj = {"prompt": obj.get("input"), "response": obj["output"]}
     return _encode_side(_side(obj, "response", fmt), tokenizer)

@@ -79,14 +79,14 @@ def tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int]
     return ids, mask
 
 
-def _adds_bos(tokenizer) -> bool:
+def adds_bos(tokenizer) -> bool:
     bos = tokenizer.bos_token_id
     return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
 
 
 def tokenize_input_output(input: str, output: str, tokenizer) -> tuple[list[int], list[int]]:
     """`(ids, loss_mask)` = `[bos] + enc(input) + enc(output) + [eos]`, mask 1 on the output and the eos."""
-    prompt = ([tokenizer.bos_token_id] if _adds_bos(tokenizer) else []) + _encode(tokenizer, input)
+    prompt = ([tokenizer.bos_token_id] if adds_bos(tokenizer) else []) + _encode(tokenizer, input)
     answer = _encode(tokenizer, output) + [tokenizer.eos_token_id]
     return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
@@ -101,21 +101,28 @@ def detect_format(obj: dict) -> str:
     raise DataError(f"expected a 'messages' list (chat) or 'input' and 'output' strings, got keys {sorted(obj)}")
 
 
-def _check_chat(obj: dict) -> list[dict]:
-    messages = obj.get("messages")
+def check_messages(messages, key: str = "messages", missing: bool = False) -> list[dict]:
+    """A list of {role, content} messages, validated (errors name `key[i]`); `missing` says the
+    record had no such key at all."""
     if not isinstance(messages, list) or not messages:
-        got = "an empty list" if messages == [] else json_type(messages) if "messages" in obj else "no 'messages'"
-        raise DataError(f"expected 'messages' to be a non-empty list of {{role, content}} objects, got {got}")
+        got = "no '" + key + "'" if missing else "an empty list" if messages == [] else json_type(messages)
+        raise DataError(f"expected '{key}' to be a non-empty list of {{role, content}} messages, got {got}")
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise DataError(f"messages[{i}]: expected an object with 'role' and 'content', got {json_type(m)}")
+            raise DataError(f"{key}[{i}]: expected an object with 'role' and 'content', got {json_type(m)}")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise DataError(f"messages[{i}]: expected 'role' to be one of {', '.join(ROLES)}, got {role!r}")
+            raise DataError(f"{key}[{i}]: expected 'role' to be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(content, str):
-            raise DataError(f"messages[{i}]: expected 'content' to be a string, got {json_type(content)}")
+            raise DataError(f"{key}[{i}]: expected 'content' to be a string, got {json_type(content)}")
         clean.append({"role": role, "content": content})
+    return clean
+
+
+def check_chat(obj: dict) -> list[dict]:
+    """A chat record's messages, with at least one assistant turn to train on."""
+    clean = check_messages(obj.get("messages"), missing="messages" not in obj)
     if all(m["role"] != "assistant" for m in clean):
         raise DataError("expected at least one assistant message (the loss is on assistant turns), got none")
     return clean
@@ -136,7 +143,7 @@ def tokenize_record(obj: dict, tokenizer, fmt: str = "auto") -> tuple[list[int],
     """Validate one JSONL record in format `fmt` (or the detected one) and tokenize it."""
     fmt = detect_format(obj) if fmt == "auto" else fmt
     if fmt == "chat":
-        return tokenize_chat(_check_chat(obj), tokenizer)
+        return tokenize_chat(check_chat(obj), tokenizer)
     return tokenize_input_output(*_check_input_output(obj), tokenizer)
 
 
