@@ -85,7 +85,7 @@ def _response_messages(response, key: str) -> list[dict]:
         if not response:
             raise DataError(f"'{key}' is empty; a response needs at least one character")
         return [{"role": "assistant", "content": response}]
-    messages = check_messages(response, key)
+    messages = check_messages(response, key, or_string=True)
     if messages[0]["role"] != "assistant":
         raise DataError(f"'{key}' must start with an assistant message, got role {messages[0]['role']!r}")
     if not any(m["content"] for m in messages):
@@ -139,7 +139,7 @@ def encode_prompt_response(tokenizer, prompt, response, key: str) -> tuple[list[
         return ids, _check_boundary(tokenizer, prompt_ids, ids, key)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat records need a tokenizer with a chat template, and this one has none")
-    head = check_messages(prompt, "prompt") if not isinstance(prompt, str) else None
+    head = check_messages(prompt, "prompt", or_string=True) if not isinstance(prompt, str) else None
     if head is None:
         raise DataError(f"'{key}' is a message list, so 'prompt' must be one too, got a string")
     tail = _response_messages(response, key)

@@ -101,12 +101,14 @@ def detect_format(obj: dict) -> str:
     raise DataError(f"expected a 'messages' list (chat) or 'input' and 'output' strings, got keys {sorted(obj)}")
 
 
-def check_messages(messages, key: str = "messages", missing: bool = False) -> list[dict]:
+def check_messages(messages, key: str = "messages", missing: bool = False, or_string: bool = False) -> list[dict]:
     """A list of {role, content} messages, validated (errors name `key[i]`); `missing` says the
-    record had no such key at all."""
+    record had no such key at all, `or_string` that a string would have done too."""
     if not isinstance(messages, list) or not messages:
         got = "no '" + key + "'" if missing else "an empty list" if messages == [] else json_type(messages)
-        raise DataError(f"expected '{key}' to be a non-empty list of {{role, content}} messages, got {got}")
+        alternative = "a string or " if or_string else ""
+        raise DataError(f"expected '{key}' to be {alternative}a non-empty list of {{role, content}} messages, "
+                        f"got {got}")
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
