@@ -84,10 +84,11 @@ def test_command_specific_rules_fail_before_launch(command, overrides, fragment)
     (["reference.mode=precompute"], "reference.mode=precompute does not apply to SPIN"),
     (["dpo.loss_type=rpo_sq"], "needs rewards in the data"),
     (["spin.steps_per_iteration=0"], "spin.steps_per_iteration and spin.max_new_tokens must be >= 1"),
+    (["model.context_parallel_size=2"], "set model.context_parallel_size=1"),
 ])
 def test_spin_rules_fail_before_launch(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
-        load_config("spin", REQUIRED + overrides, world_size=1)
+        load_config("spin", REQUIRED + overrides, world_size=2)
 
 
 @pytest.mark.parametrize("command, overrides, fragment", [

@@ -82,6 +82,9 @@ def validate(cfg, world_size: int) -> None:
         loss = getattr(cfg.dpo.loss_type, "value", cfg.dpo.loss_type)
         if str(loss).startswith("rpo"):
             _fail(f"dpo.loss_type={loss} needs rewards in the data; SPIN's generated pairs have none")
+        if cfg.model.context_parallel_size > 1:
+            _fail("SPIN generates with the training model, and generation does not run under context "
+                  "parallelism: set model.context_parallel_size=1")
     if "rm" in cfg:
         loss = getattr(cfg.rm.loss, "value", cfg.rm.loss)
         if loss == "regression" and not cfg.rm.attributes:
