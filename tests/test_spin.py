@@ -1,8 +1,8 @@
 """SPIN end to end on a weak SFT model: the reference is reset at every iteration boundary (the first
 step of each iteration has loss ln 2: policy = reference), DPO pulls the policy towards the ground
 truth within each iteration, its greedy generations reproduce more of the ground truth from one
-iteration to the next, a run resumed inside an iteration continues it bitwise, and DP=2 / TP=2 runs
-match one process."""
+iteration to the next, a run resumed inside an iteration continues it bitwise, and DP=2 / TP=2 / PP=2
+runs match one process."""
 from __future__ import annotations
 
 import math
@@ -72,11 +72,14 @@ def test_spin_resumes_inside_an_iteration_bitwise(tiny_assets, weak_policy, stra
 
 
 @pytest.mark.parametrize("layout", [["launcher.nproc_per_node=2"],
-                                    ["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"]],
-                         ids=["dp2", "tp2"])
+                                    ["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"],
+                                    ["launcher.nproc_per_node=2", "model.pipeline_model_parallel_size=2"]],
+                         ids=["dp2", "tp2", "pp2"])
 def test_spin_on_two_ranks_matches_one_process(tiny_assets, weak_policy, straight, tmp_path, layout):
-    """Generation split over data-parallel replicas (or tensor-parallel), then DPO: the same two iterations."""
+    """Generation split over data-parallel replicas (or tensor- / pipeline-parallel), then DPO: the same two
+    iterations."""
     ours = spin(tiny_assets, weak_policy, tmp_path / "run", "trainer.max_steps=8", *layout)
+    assert len(ours) == len(straight) == 8
     for a, b in zip(ours, straight):
         assert a.get("spin/gen_match") == b.get("spin/gen_match")
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
