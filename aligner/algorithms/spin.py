@@ -104,10 +104,8 @@ class SPINTrainer(PreferenceTrainer):
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         share = -(-n // dp)
         mine = list(range(dp_rank * share, min(n, (dp_rank + 1) * share)))
-        was_training = self.model.training
         rollout = self.engine.generate([self.prompts[i] for i in mine], params,
                                        seeds=[rng.derive_seed(s.seed, k * n + i) for i in mine])
-        self.model.train(was_training)
         parts = [None] * dp
         dist.all_gather_object(parts, rollout.responses(), group=ps.get_data_parallel_group())
         generations = [g for part in parts for g in part]
