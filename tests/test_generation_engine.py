@@ -106,3 +106,36 @@ def test_cli_generate_tp2_matches_engine(results):
     assert [r["response_ids"] for r in lines] == expected["response_ids"]
     assert max(abs(a - b) for r, e in zip(lines, expected["logprobs"]) for a, b in zip(r["logprobs"], e)) <= TOL
     assert all(isinstance(r["response"], str) and r["stop_reason"] in ("eos", "length") for r in lines)
+
+
+def test_lean_decoder_prefill_and_steps_equal_the_model_forward():
+    """LeanDecoder (one process, GQA with 2 query heads per group): its prefill and each one-token step give the
+    logits of GPTModel.forward over the whole sequence without a cache; an engine call leaves the CPU shims'
+    TorchFunctionMode in place (megatron code run afterwards still has its "cuda" literals mapped)."""
+    import torch
+
+    from aligner.generation.lean_decode import LeanDecoder
+    from aligner.generation.megatron_engine import MegatronEngine
+    from aligner.generation.parallel import StageLayout
+    from aligner.generation.types import SamplingParams
+    from aligner.runtime import distributed
+    from tests.generation_workers import VOCAB, setup
+
+    distributed.init_process_group()
+    model, m = setup(1, 1)
+    model.eval()
+    batch, prefix, steps = 3, 5, 4
+    seq = torch.randint(0, VOCAB, (batch, prefix + steps), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        full = model(seq, torch.arange(seq.shape[1]).expand(batch, -1), None)[..., :VOCAB]
+        decoder = LeanDecoder(model, StageLayout.current(), batch, prefix + steps)
+        lean = [decoder.forward(decoder.embed(seq[:, :prefix]), 0)]
+        lean += [decoder.forward(decoder.embed(seq[:, t:t + 1]), t) for t in range(prefix, prefix + steps)]
+        with pytest.raises(ValueError, match="only supported at slot 0"):
+            decoder.forward(decoder.embed(seq[:, :2]), 3)
+    lean = torch.stack(lean, 1)[..., :VOCAB]
+    assert (lean - full[:, prefix - 1:]).abs().max().item() <= TOL
+
+    MegatronEngine(model, m, VOCAB, eos_id=None).generate([[1, 2, 3]], SamplingParams(greedy=True, max_new_tokens=2))
+    if not torch.cuda.is_available():
+        assert torch.zeros(1, device="cuda").device.type == "cpu"

@@ -1,17 +1,18 @@
-"""One-token decode steps for one pipeline stage of a megatron GPTModel, straight on its parameters.
+"""Prefill and one-token decode steps for one pipeline stage of a megatron GPTModel, on its parameters.
 
-Why: a decode step of a small model is dominated by Python overhead, and megatron's static
-inference path also re-applies RoPE to every cached key at every step (it caches un-rotated keys).
-This module runs the same Llama-family layer maths (RMSNorm, QKV, RoPE, causal attention over the
-KV cache, output projection, (Swi)GLU MLP, residuals) with plain torch ops on the model's live
-parameters, so an optimizer step is seen at once and nothing is copied. Tensor parallelism is
-honoured (column-parallel shards local, all-reduce after the row-parallel projections, vocab
-all-gather of the logits); pipeline stages run only their own layers.
+Why: a decode step of a small model is dominated by per-op overhead, and megatron's static inference
+path re-applies RoPE to every cached key at every step (it caches un-rotated keys) and runs its
+prefill through modules built for training. This module runs the same Llama-family layer maths
+(RMSNorm, QKV, RoPE, causal attention, output projection, (Swi)GLU MLP, residuals) with plain torch
+ops on the model's live parameters, so an optimizer step is seen at once and nothing is copied.
+Tensor parallelism is honoured (column-parallel shards local, all-reduce after the row-parallel
+projections, vocab all-gather of the logits); pipeline stages run only their own layers.
 
-KV cache: per layer [B, G_local, S, D] keys (rotated) and values, slot s = position s. The prompt
-prefix is filled from megatron's `StaticInferenceContext` after megatron's own prefill
-(`load_prefix`); `step` then appends one slot per call. `unsupported_reason(model)` says when a
-model falls outside this maths (the engine then keeps megatron's forward for decoding).
+KV cache: per layer [B, G_local, S, D] keys (rotated) and values, preallocated, slot s = position s.
+`forward` at slot 0 is the prefill (causal attention over the prompt prefix, which fills slots
+[0, L)); every later call is one decode step that writes its slot in place and attends over the
+slots written so far. `unsupported_reason(model)` says when a model falls outside this maths (the
+engine then keeps megatron's forward).
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
 
 def unsupported_reason(model) -> str | None:
     """None when `LeanDecoder` computes exactly what GPTModel.forward computes for this model."""
@@ -82,8 +82,7 @@ class LeanDecoder:
     def __init__(self, model, layout, batch: int, max_seq: int):
         c = model.config
         self.model, self.layout, self.batch = model, layout, batch
-        tp = layout.tp
-        self.groups = c.num_query_groups // tp
+        self.groups = c.num_query_groups // layout.tp
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         self.head_dim = c.kv_channels
         self.eps = c.layernorm_epsilon
@@ -123,51 +122,68 @@ class LeanDecoder:
                 "norm2": _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1),
                 "fc1": mlp.linear_fc1.weight, "fc2": mlp.linear_fc2.weight}
 
-    def load_prefix(self, context, length: int) -> None:
-        """Copy slots [0, length) from megatron's static KV cache ([S, B, G, D], keys un-rotated)."""
-        cos, sin = self.cos[:length, None, -1:, :], self.sin[:length, None, -1:, :]  # the key rows
-        for layer, (keys, values) in zip(self.model.decoder.layers, self.cache):
-            k, v = context.key_value_memory_dict[layer.self_attention.layer_number]
-            keys[:, :, :length] = rope(k[:length], cos, sin).permute(1, 2, 0, 3)
-            values[:, :, :length] = v[:length].permute(1, 2, 0, 3)
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[B] token ids -> [B, H] (vocab-parallel lookup + TP all-reduce)."""
+        """[B, s] token ids -> [B, s, H] (vocab-parallel lookup + TP all-reduce)."""
         if self.layout.tp == 1:
             return F.embedding(tokens, self.embed_weight)
         start, end = self.vocab_range
         outside = (tokens < start) | (tokens >= end)
         hidden = F.embedding((tokens - start).masked_fill(outside, 0), self.embed_weight)
-        hidden = hidden.masked_fill(outside[:, None], 0.0)
+        hidden = hidden.masked_fill(outside[..., None], 0.0)
         return self.layout.tp_all_reduce(hidden)
 
-    def step(self, hidden: torch.Tensor, slot: int) -> torch.Tensor:
-        """Run this stage's layers for one token per sample at position `slot`. hidden [B, H] in,
-        [B, H] out; on the last stage, full-vocabulary (padded) logits [B, V_padded] out."""
-        B, G, R, D = self.batch, self.groups, self.heads_per_group, self.head_dim
-        cos, sin = self.cos[slot], self.sin[slot]
-        width = hidden.shape[-1]
-        fp32 = self.dtype == torch.float32
-        for p, (keys, values), (k_flat, v_flat) in zip(self.layers, self.cache, self.flat):
+    def forward(self, hidden: torch.Tensor, slot: int) -> torch.Tensor:
+        """Run this stage's layers on hidden [B, s, H] at slots [slot, slot + s): the prefill (slot 0)
+        or one decode step (s = 1). Returns [B, s, H], or on the last stage the full-vocabulary (padded)
+        logits [B, V_padded] of the last slot."""
+        B, s, width = hidden.shape
+        G, R, D = self.groups, self.heads_per_group, self.head_dim
+        if s > 1 and slot != 0:
+            raise ValueError(f"several tokens per sample ({s}) are only supported at slot 0 (the prefill)")
+        end = slot + s
+        cos, sin = self.cos[slot:end, None], self.sin[slot:end, None]  # [s, 1, R + 1, D]
+        hidden = hidden.reshape(B * s, width)  # rows of 2-D matrix products from here on
+        for p, (keys, values), flat in zip(self.layers, self.cache, self.flat):
             x = F.rms_norm(hidden, (width,), p["norm1"], self.eps)
-            qkv = F.linear(x, p["qkv"], p["qkv_bias"]).view(B, G, R + 2, D)
-            qk = rope(qkv[:, :, : R + 1], cos, sin)  # the group's R scaled query heads and its key head
-            keys[:, :, slot] = qk[:, :, R]
-            values[:, :, slot] = qkv[:, :, R + 1]
-            q = qk[:, :, :R].view(B * G, R, D)
-            scores = torch.bmm(q, k_flat[:, : slot + 1].transpose(1, 2))
-            probs = scores.softmax(-1) if fp32 else scores.float().softmax(-1).to(self.dtype)
-            context = torch.bmm(probs, v_flat[:, : slot + 1]).view(B, G * R * D)
-            hidden = hidden + self.layout.tp_all_reduce(F.linear(context, p["proj"]))
-            x = F.rms_norm(hidden, (width,), p["norm2"], self.eps)
-            x = F.linear(x, p["fc1"])
+            qkv = F.linear(x, p["qkv"], p["qkv_bias"]).view(B, s, G, R + 2, D)
+            qk = rope(qkv[..., : R + 1, :], cos, sin)  # the group's R scaled query heads and its key head
+            keys[:, :, slot:end] = qk[..., R, :].transpose(1, 2)
+            values[:, :, slot:end] = qkv[..., R + 1, :].transpose(1, 2)
+            q = qk[..., :R, :]
+            context = self._attend_step(q, flat, end) if s == 1 else self._attend_prefix(q, keys, values, s)
+            hidden = self._add_projection(hidden, context, p["proj"])
+            x = F.linear(F.rms_norm(hidden, (width,), p["norm2"], self.eps), p["fc1"])
             if self.gated:
                 gate, up = x.chunk(2, dim=-1)
                 x = self.activation(gate) * up
             else:
                 x = self.activation(x)
-            hidden = hidden + self.layout.tp_all_reduce(F.linear(x, p["fc2"]))
+            hidden = self._add_projection(hidden, x, p["fc2"])
         if not self.model.post_process:
-            return hidden
-        x = F.rms_norm(hidden, (width,), self.final_norm, self.eps)
+            return hidden.view(B, s, width)
+        x = F.rms_norm(hidden.view(B, s, width)[:, -1], (width,), self.final_norm, self.eps)
         return self.layout.tp_all_gather_last(F.linear(x, self.output_weight))
+
+    def _add_projection(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """hidden + x @ weight.T for a row-parallel projection (summed over TP before the residual add).
+        Without TP the add is fused into the matrix product (one op instead of two)."""
+        if self.layout.tp == 1:
+            return torch.addmm(hidden, x, weight.t())
+        return hidden + self.layout.tp_all_reduce(F.linear(x, weight))
+
+    def _attend_step(self, q: torch.Tensor, flat, end: int) -> torch.Tensor:
+        """q [B, 1, G, R, D] (scaled) over cache slots [0, end) -> context [B, G * R * D]. Batched
+        matrix products over B * G: for one query position they beat SDPA's kernels on CPU."""
+        B, _, G, R, D = q.shape
+        k_flat, v_flat = flat
+        scores = torch.bmm(q.reshape(B * G, R, D), k_flat[:, :end].transpose(1, 2))
+        probs = scores.softmax(-1) if self.dtype == torch.float32 else scores.float().softmax(-1).to(self.dtype)
+        return torch.bmm(probs, v_flat[:, :end]).view(B, G * R * D)
+
+    def _attend_prefix(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: int) -> torch.Tensor:
+        """Causal attention of q [B, s, G, R, D] (scaled) over cache slots [0, s) -> [B * s, G * R * D]."""
+        B, _, G, R, D = q.shape
+        q = q.permute(0, 2, 3, 1, 4).reshape(B, G * R, s, D)
+        k, v = (t[:, :, None, :s].expand(B, G, R, s, D).reshape(B, G * R, s, D) for t in (keys, values))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+        return out.transpose(1, 2).reshape(B * s, G * R * D)

@@ -1,15 +1,14 @@
 """`MegatronEngine`: rollouts from the trainer's own megatron GPTModel (no weight copy).
 
 Per batch of prompts (right-padded into a slot-indexed [B, S] buffer, slot s = position s):
-  1. prefill: `GPTModel.forward(..., inference_context=StaticInferenceContext(B, ...))` over the
-     first L0 = min(prompt lengths) slots, which fills megatron's KV cache;
+  1. prefill over the first L0 = min(prompt lengths) slots, which fills the KV cache;
   2. one-token steps from slot L0 on. At slot t a sample whose prompt is longer than t is fed its own
      next prompt token (its prompt is still being consumed, the sampled token is discarded); the
      others are fed the token sampled from the previous step's logits. So every slot of every sample
      holds a real token, positions equal slots, and no attention mask or padding is ever needed.
-  Decoding runs either megatron's forward on the same static context (`decode="megatron"`) or
-  `LeanDecoder` (`decode="lean"`, the default when the model qualifies), which continues from
-  megatron's prefill cache with plain torch ops on the live parameters (see lean_decode.py).
+  Both run either megatron's forward with its `StaticInferenceContext` KV cache (`decode="megatron"`)
+  or `LeanDecoder` (`decode="lean"`, the default when the model qualifies): the same maths with
+  plain torch ops on the live parameters and a preallocated cache (see lean_decode.py).
 
 Stops: eos, `stop_token_ids`, `stop_strings` (needs `tokenizer`), `max_new_tokens`; eos and stop
 tokens are banned until `min_new_tokens`. The loop ends as soon as every sample has stopped.
@@ -175,12 +174,13 @@ class MegatronEngine:
         return out[:, -1, : self.vocab_size].float()
 
     def _lean_step(self, decoder: LeanDecoder, tokens: torch.Tensor, slot: int) -> torch.Tensor | None:
+        """`LeanDecoder.forward` of this stage on tokens [B, s] at slots [slot, slot+s); as _megatron_step."""
         layout = self._layout
         if layout.first:
             hidden = decoder.embed(tokens)
         else:
-            hidden = layout.recv_prev((tokens.shape[0], self.gpt.config.hidden_size), self._dtype, tokens.device)
-        out = decoder.step(hidden, slot)
+            hidden = layout.recv_prev((*tokens.shape, self.gpt.config.hidden_size), self._dtype, tokens.device)
+        out = decoder.forward(hidden, slot)
         if not layout.last:
             layout.send_next(out)
             return None
@@ -206,16 +206,16 @@ class MegatronEngine:
             if layout.is_sampler else None
 
         started = time.perf_counter()
-        context = StaticInferenceContext(batch, shortest if lean else slots)
-        logits = self._megatron_step(context, buffer[:, :shortest], 0)  # prefill: megatron fills its KV cache
-        decoder = None
-        if lean:
-            decoder = LeanDecoder(self.gpt, layout, batch, slots)
-            decoder.load_prefix(context, shortest)
-            context = None
-        prefill_s = time.perf_counter() - started
-
-        with _without_torch_function_modes() if lean else contextlib.nullcontext():
+        decoder = LeanDecoder(self.gpt, layout, batch, slots) if lean else None
+        context = None if lean else StaticInferenceContext(batch, slots)
+        # The lean path runs only plain torch ops: step outside any TorchFunctionMode (the CPU shims'
+        # literal rewriting, runtime/cpu_shims.py), so that every op is a direct call.
+        with torch.DisableTorchFunction() if lean else contextlib.nullcontext():
+            if lean:
+                logits = self._lean_step(decoder, buffer[:, :shortest], 0)
+            else:
+                logits = self._megatron_step(context, buffer[:, :shortest], 0)
+            prefill_s = time.perf_counter() - started
             for t in range(shortest, slots):
                 if chooser is not None:
                     token, logprob = chooser(logits, t)
@@ -243,7 +243,7 @@ class MegatronEngine:
                     if bool(finished.all()):  # a host sync
                         break
                 if lean:
-                    logits = self._lean_step(decoder, token, t)
+                    logits = self._lean_step(decoder, token[:, None], t)
                 else:
                     logits = self._megatron_step(context, token[:, None], t)
         decode_s = time.perf_counter() - started - prefill_s
@@ -303,19 +303,3 @@ def _response_lengths(buffer, prompt_len, stop_ids, max_new: int, last_t: int, s
         lengths = torch.minimum(lengths, cut)
     return lengths
 
-
-@contextlib.contextmanager
-def _without_torch_function_modes():
-    """Step outside any TorchFunctionMode (the CPU shims' literal rewriting, see runtime/cpu_shims.py)
-    for the lean decode loop, which runs only plain torch ops: every op is then a direct call.
-    No mode is active on GPU hosts, so this does nothing there."""
-    from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
-
-    modes = []
-    while _get_current_function_mode_stack():
-        modes.append(_pop_mode())
-    try:
-        yield
-    finally:
-        for mode in reversed(modes):
-            _push_mode(mode)
