@@ -163,3 +163,60 @@ def test_packed_rows_do_not_see_each_other(model):
     assert build_micro_batches([seqs], 0, packed=True, capacity=80)[0][0]["tokens"].shape[0] == 1
     assert torch.allclose(sums[0][[0, 1, 3]], sums[1][[0, 1, 3]], atol=1e-5)
     assert not torch.allclose(sums[0][2], sums[1][2])
+
+
+@pytest.mark.parametrize("kind", ["margin_pairs", "regression"])
+def test_packed_reward_model_equals_padded(model, kind):  # `model`: the process group
+    """Reward-model losses, reports and gradients through packed pair trees (a pair's prompt computed
+    once, each reward read at its sequence's last token) equal the padded reward-model forward step."""
+    from aligner.algorithms.preference import build_policy, head_outputs, make_sequence_forward_step
+    from aligner.algorithms.reward_model import (PackedRewardObjective, PairFormat, RegressionFormat,
+                                                 make_rm_forward_step)
+    from aligner.config.schema import ModelConfig
+    from aligner.data.preference_rm import PairSample, RegressionSample
+    from aligner.models.gpt import build_gpt
+    from aligner.models.heads import attach_scalar_head
+    from aligner.runtime.seeding import seed_everything
+    from omegaconf import OmegaConf
+
+    def reward_model(build):  # the same weights from the same seed (the packed one reads explicit positions)
+        seed_everything(6)
+        return attach_scalar_head(build(OmegaConf.structured(ModelConfig(num_query_groups=2)), 300), outputs)
+
+    outputs = 2 if kind == "regression" else 1
+    seqs = _sequences(8, seed=4)
+    if kind == "regression":
+        samples = [RegressionSample(ids, [0.5 * i, -1.0], [1.0, float(i % 2)]) for i, (ids, _) in enumerate(seqs)]
+        padded_format = RegressionFormat(pad_id=0)
+    else:
+        samples = [PairSample(c, r, margin=0.25 * i) for i, ((c, _), (r, _)) in enumerate(zip(seqs[:4], seqs[4:]))]
+        padded_format = PairFormat(pad_id=0)
+    groups = [samples[:len(samples) // 2], samples[len(samples) // 2:]]
+
+    def run(step, micro, rm):
+        rm.zero_grad()
+        total, reports = 0.0, []
+        for batch in micro:
+            output, loss_func = step(iter([batch]), rm)
+            loss, count, report = loss_func(output)
+            loss.backward()
+            total += loss.item()
+            reports.append({**report, "count": count})
+        return total, {n: p.grad.clone() for n, p in rm.named_parameters()}, reports
+
+    length = max(padded_format.length(s) for s in samples)
+    padded = run(make_rm_forward_step(kind), [padded_format.collate(g, length) for g in groups], reward_model(build_gpt))
+    objective = PackedRewardObjective(kind, pad_id=0)
+    micro, _ = build_micro_batches([[seq for j in range(len(objective.sequences(g[0])))
+                                     for seq in (objective.sequences(s)[j] for s in g)] for g in groups],
+                                   pad_id=0, packed=True, capacity=60, pairs=kind != "regression")
+    assert micro[0]["tokens"].shape[0] < len(groups[0])  # several samples share a row
+    objective.annotate(None, samples, groups, micro, 0)
+    packed = run(make_sequence_forward_step(objective.loss, 300, head_outputs), micro, reward_model(build_policy))
+    assert packed[0] == pytest.approx(padded[0], rel=1e-5)
+    for a, b in zip(padded[2], packed[2]):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key].item() == pytest.approx(a[key].item(), rel=1e-5, abs=1e-5), key
+    for name, grad in padded[1].items():
+        assert (packed[1][name] - grad).abs().max().item() < 1e-5 * max(1.0, grad.abs().max().item()), name

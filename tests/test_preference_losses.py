@@ -135,4 +135,6 @@ def test_sequence_sums_and_accuracy():
     assert sums.tolist() == [5.0, 11.0, 4.0] and counts.tolist() == [2.0, 2.0, 1.0]
     sums.sum().backward()
     assert torch.equal(values.grad, mask)
+    heads = torch.stack([values.detach(), -values.detach()], -1)  # [rows, seq, 2]: per-position vectors
+    assert F.sequence_sums(heads, mask, index, 3)[0].tolist() == [[5.0, -5.0], [11.0, -11.0], [4.0, -4.0]]
     assert F.preference_accuracy(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])).tolist() == [1, 0, 0.5]

@@ -1,6 +1,7 @@
 """Reward-model training: hand-computed losses, the preference / regression data formats, and
 `aligner train rm` learning a synthetic preference task at TP=1 and TP=2, with PP=2, CP=2 and DP=2
-reproducing the TP=1 losses and gradient norms."""
+reproducing the TP=1 losses and gradient norms, and packed pairs (TP=1, TP=2, PP=2, CP=2) reproducing
+the padded ones."""
 from __future__ import annotations
 
 import json
@@ -208,6 +209,20 @@ def test_rm_parallel_layouts_match_tp1(from_trained_rm, layout):
     assert reference[0]["accuracy"] > 0.6  # the trained head was loaded, not re-initialised
     for a, b in zip(reference, run("launcher.nproc_per_node=2", *layout)):
         for key in ("loss", "accuracy", "reward/margin", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=2e-4), (key, a[key], b[key])
+
+
+@pytest.mark.parametrize("layout", [[], ["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"],
+                                    ["launcher.nproc_per_node=2", "model.pipeline_model_parallel_size=2"],
+                                    ["launcher.nproc_per_node=2", "model.context_parallel_size=2"]],
+                         ids=["tp1", "tp2", "pp2", "cp2"])
+def test_rm_packed_matches_padded(from_trained_rm, layout):
+    """data.packing=true (pair trees: a pair's prompt computed once, each reward read at its own last
+    token) trains like the padded TP=1 run."""
+    run, reference = from_trained_rm
+    for a, b in zip(reference, run("data.packing=true", *layout)):
+        assert a["loss_count"] == b["loss_count"]
+        for key in ("loss", "accuracy", "reward/margin", "reward/chosen", "grad_norm"):
             assert a[key] == pytest.approx(b[key], abs=2e-4), (key, a[key], b[key])
 
 

@@ -37,13 +37,15 @@ def sequence_sums(token_values: torch.Tensor, mask: torch.Tensor, sequence_index
                   num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence sums of masked token values and per-sequence masked-token counts.
 
-    token_values, mask, sequence_index: [rows, seq]; `sequence_index` says which sequence a position
-    belongs to (any value where `mask` is 0). Several sequences may share a row (packing). Returns
-    (sums [num_sequences] float32, counts [num_sequences] float32); differentiable in `token_values`.
+    mask, sequence_index: [rows, seq]; token_values: [rows, seq, *extra] (e.g. a reward head's k
+    outputs); `sequence_index` says which sequence a position belongs to (any value where `mask` is 0).
+    Several sequences may share a row (packing). Returns (sums [num_sequences, *extra] float32,
+    counts [num_sequences] float32); differentiable in `token_values`.
     """
     keep = mask > 0
     index = sequence_index[keep]
-    sums = token_values.new_zeros(num_sequences, dtype=torch.float32).index_add(0, index, token_values[keep].float())
+    shape = (num_sequences, *token_values.shape[mask.dim():])
+    sums = token_values.new_zeros(shape, dtype=torch.float32).index_add(0, index, token_values[keep].float())
     counts = mask.new_zeros(num_sequences, dtype=torch.float32).index_add(0, index, mask[keep].float())
     return sums, counts
 

@@ -44,6 +44,8 @@ SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "sequence_index", "shared_inde
 
 # (per-sequence log-prob sums [n], response token counts [n], micro-batch) -> (loss sum, count, report sums)
 SequenceLoss = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict]]
+# (model output on this rank's positions, the micro-batch's local tensors) -> values per position
+PositionValues = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
 # ---- forward steps -----------------------------------------------------------------------------------
@@ -71,40 +73,54 @@ def _forward(batch: dict, model, device):
     return model(local["tokens"], position_ids, mask), local
 
 
-def _sequence_logprobs(logits, local: dict, batch: dict, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob sums [n] summed over the CP group, response token counts [n])."""
-    from megatron.core import parallel_state as ps
-
+def label_logprobs(vocab_size: int) -> PositionValues:
+    """A language model's per-position values: the log-prob of each position's label."""
     from aligner.models.logprobs import vocab_parallel_logprobs
 
+    return lambda logits, local: vocab_parallel_logprobs(logits, local["labels"], vocab_size)
+
+
+def head_outputs(values: torch.Tensor, local: dict) -> torch.Tensor:
+    """A scalar-head model's per-position values: its outputs [rows, s, k] (a reward model's
+    sequences mask only their last position, so a sequence's sum is its reward there)."""
+    return values.float()
+
+
+def _sequence_sums(values, local: dict, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sums over each sequence's masked positions of per-position `values` [rows, s_local(, k)],
+    summed over the CP group; masked position counts [n])."""
+    from megatron.core import parallel_state as ps
+
     n = batch["num_sequences"]
-    token_logps = vocab_parallel_logprobs(logits, local["labels"], vocab_size)
 
     def per_sequence(values, source):  # a packed pair's trunk counts for both of its sequences
         shared = source["loss_mask"] * (source["shared_index"] >= 0)
         return [a + b for a, b in zip(F.sequence_sums(values, source["loss_mask"], source["sequence_index"], n),
                                       F.sequence_sums(values, shared, source["shared_index"], n))]
 
-    sums, _ = per_sequence(token_logps, local)
+    sums, _ = per_sequence(values, local)
     if ps.get_context_parallel_world_size() > 1:
         sums = sum_over_group(sums, ps.get_context_parallel_group())
     _, counts = per_sequence(batch["loss_mask"], batch)
     return sums, counts
 
 
-def make_sequence_forward_step(sequence_loss: SequenceLoss, vocab_size: int):
+def make_sequence_forward_step(sequence_loss: SequenceLoss, vocab_size: int,
+                               position_values: PositionValues | None = None):
     """The megatron forward step of a training (or validation) pass: `sequence_loss` gets the
-    per-sequence log-prob sums of the micro-batch's sequences, in the order they were given."""
+    per-sequence sums of `position_values` (default: `label_logprobs`, the log-probs of a language
+    model) of the micro-batch's sequences, in the order they were given."""
     from megatron.core import parallel_state as ps
 
     device = _device()
+    position_values = position_values or label_logprobs(vocab_size)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output, local = _forward(batch, model, device)
 
-        def loss_func(logits):
-            sums, counts = _sequence_logprobs(logits, local, batch, vocab_size)
+        def loss_func(output):
+            sums, counts = _sequence_sums(position_values(output, local), local, batch)
             loss, count, report = sequence_loss(sums, counts, batch)
             keep = 1.0 if ps.get_context_parallel_rank() == 0 else 0.0
             report = {k: v.detach().float() * keep for k, v in report.items()}
@@ -118,13 +134,14 @@ def make_sequence_forward_step(sequence_loss: SequenceLoss, vocab_size: int):
 
 def _logprob_forward_step(vocab_size: int):
     device = _device()
+    position_values = label_logprobs(vocab_size)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output, local = _forward(batch, model, device)
 
         def collect(logits):
-            sums, _ = _sequence_logprobs(logits, local, batch, vocab_size)
+            sums, _ = _sequence_sums(position_values(logits, local), local, batch)
             return sums.new_zeros(()), torch.zeros((), dtype=torch.int), {"sums": sums.detach()}
 
         return output, collect

@@ -6,6 +6,10 @@ output at its last real token. A pair micro-batch holds the chosen sequences in 
 rows and the rejected ones in the second, so one forward pass scores both. Under context
 parallelism each rank holds two chunks of every sequence: the rank holding a sequence's last token
 contributes its score and the scores are summed over the CP group.
+With `data.packing=true` the batches are those of the preference trainers instead (`aligner.data.packing`):
+a pair's common prefix (the prompt) is computed once as the trunk of a pair tree, each side's reward is
+read at its last token in its own branch, and regression samples are packed as plain sequences; the
+losses, metrics and gradients are the padded ones (tests/test_packing.py, tests/test_rm.py).
 
 Loss conventions (the maths is in `functional`; the trainer divides sums by the global count):
 * `bt`:         -log sigmoid(r_chosen - r_rejected), summed over pairs; count = pairs.
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 from aligner.algorithms import functional as F
+from aligner.algorithms.preference import PreferenceAlgorithm, PreferenceTrainer
 from aligner.algorithms.trainer import Trainer
 from aligner.runtime.distributed import sum_over_group
 
@@ -88,6 +93,48 @@ class RegressionFormat:
         return {"tokens": tokens, "lengths": lengths,
                 "labels": torch.tensor([s.labels for s in samples], dtype=torch.float32),
                 "label_mask": torch.tensor([s.label_mask for s in samples], dtype=torch.float32)}
+
+
+# ---- packed batches (data.packing=true) ---------------------------------------------------------------
+def scored_sequence(ids, pad_id: int):
+    """`ids` as a sequence of the packing machinery (`aligner.data.packing`) whose one masked position
+    is its last token, where the reward is read: the model reads all of `ids`, the appended pad is
+    the (unused) label of the last position. Both sides of a pair tree end in their own branch."""
+    return list(ids) + [pad_id], [0] * len(ids) + [1]
+
+
+class PackedRewardObjective(PreferenceAlgorithm):
+    """Reward-model losses through the sequence machinery of the preference trainers, so packed
+    rows compute a pair's common prefix once (`aligner.data.packing`): per-sequence sums of the head
+    outputs over the one masked position are the rewards. `kind`: "pairs", "margin_pairs" or
+    "regression" (single sequences packed as they are)."""
+
+    def __init__(self, kind: str, pad_id: int):
+        self.kind, self.pad_id = kind, pad_id
+
+    def sequences(self, sample) -> list:
+        if self.kind == "regression":
+            return [scored_sequence(sample.ids, self.pad_id)]
+        return [scored_sequence(sample.chosen, self.pad_id), scored_sequence(sample.rejected, self.pad_id)]
+
+    def tokens(self, sample) -> int:
+        return len(sample.ids) if self.kind == "regression" else len(sample.chosen) + len(sample.rejected)
+
+    def annotate(self, trainer, samples, groups, micro, length) -> None:
+        for batch, group in zip(micro, groups):
+            if self.kind == "regression":
+                batch["attribute_labels"] = torch.tensor([s.labels for s in group], dtype=torch.float32)
+                batch["attribute_mask"] = torch.tensor([s.label_mask for s in group], dtype=torch.float32)
+            else:
+                batch["margins"] = torch.tensor([s.margin for s in group], dtype=torch.float32)
+
+    def loss(self, scores, counts, batch):
+        if self.kind == "regression":
+            return regression_loss(scores, batch["attribute_labels"].to(scores), batch["attribute_mask"].to(scores))
+        pairs = scores.shape[0] // 2
+        margins = batch["margins"].to(scores) if self.kind == "margin_pairs" else None
+        loss, report = pair_loss(scores[:pairs, 0], scores[pairs:, 0], margins)
+        return loss, torch.tensor(float(pairs), device=scores.device), report
 
 
 # ---- forward step ---------------------------------------------------------------------------------
@@ -198,6 +245,11 @@ class RewardModelTrainer(Trainer):
         super().resume()
 
 
+class PackedRewardModelTrainer(RewardModelTrainer, PreferenceTrainer):
+    """`RewardModelTrainer` whose micro-batches are built by `PreferenceTrainer` (the packed
+    sequences of a `PackedRewardObjective`)."""
+
+
 # ---- entry points ---------------------------------------------------------------------------------
 def main(argv: list[str]) -> None:
     """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
@@ -208,6 +260,8 @@ def main(argv: list[str]) -> None:
 
 def run(cfg) -> None:
     """One rank of `aligner train rm` with a validated config."""
+    from aligner.algorithms.preference import (PreferenceFormat, build_policy, check_packing, head_outputs,
+                                               make_sequence_forward_step)
     from aligner.data.preference_rm import load_rm_dataset
     from aligner.data.tokenizer import load_tokenizer, model_vocab_size
     from aligner.models.gpt import build_gpt
@@ -218,6 +272,7 @@ def run(cfg) -> None:
     m, rm, d = cfg.model, cfg.rm, cfg.data
     loss = rm.loss.value if hasattr(rm.loss, "value") else str(rm.loss)
     attributes = list(rm.attributes)
+    check_packing(cfg)
     distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
@@ -228,12 +283,22 @@ def run(cfg) -> None:
 
     train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
     num_outputs = len(attributes) if kind == "regression" else 1
-    model = attach_scalar_head(build_gpt(m, vocab_size), num_outputs)
-    model, optimizer, scheduler = wrap_for_training(model, m, cfg.optim)
-    batch_format = (RegressionFormat if kind == "regression" else PairFormat)(tokenizer.pad_token_id)
-    step = make_rm_forward_step("margin_pairs" if loss == "margin_bt" else kind)
     head_meta = {"num_outputs": num_outputs, "attributes": attributes or None, "loss": loss}
-    trainer = RewardModelTrainer(cfg, model, optimizer, scheduler, step, train, val, batch_format, vocab_size,
-                                 tokenizer, head_meta=head_meta)
+    step_kind = "margin_pairs" if loss == "margin_bt" else kind
+    if d.packing:  # several sequences per row, a pair's prompt computed once: the preference machinery
+        objective = PackedRewardObjective(step_kind, tokenizer.pad_token_id)
+        model = attach_scalar_head(build_policy(m, vocab_size), num_outputs)
+        model, optimizer, scheduler = wrap_for_training(model, m, cfg.optim)
+        step = make_sequence_forward_step(objective.loss, vocab_size, head_outputs)
+        trainer = PackedRewardModelTrainer(cfg, model, optimizer, scheduler, step, train, val,
+                                           PreferenceFormat(objective, tokenizer.pad_token_id), vocab_size,
+                                           tokenizer, head_meta=head_meta, algorithm=objective, reference_mode=None,
+                                           packing={"packed": True, "capacity": d.pack_length})
+    else:
+        model = attach_scalar_head(build_gpt(m, vocab_size), num_outputs)
+        model, optimizer, scheduler = wrap_for_training(model, m, cfg.optim)
+        batch_format = (RegressionFormat if kind == "regression" else PairFormat)(tokenizer.pad_token_id)
+        trainer = RewardModelTrainer(cfg, model, optimizer, scheduler, make_rm_forward_step(step_kind), train, val,
+                                     batch_format, vocab_size, tokenizer, head_meta=head_meta)
     trainer.fit()
     distributed.shutdown()

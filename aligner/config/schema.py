@@ -151,6 +151,7 @@ class RewardModelConfig:
 @dataclass
 class RMRunConfig(TrainRunConfig):
     run_dir: str = "runs/rm"
+    data: PackableDataConfig = field(default_factory=PackableDataConfig)
     rm: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
