@@ -110,7 +110,8 @@ def test_cli_generate_tp2_matches_engine(results):
 
 def test_lean_decoder_prefill_and_steps_equal_the_model_forward():
     """LeanDecoder (one process, GQA with 2 query heads per group): its prefill and each one-token step give the
-    logits of GPTModel.forward over the whole sequence without a cache; an engine call leaves the CPU shims'
+    logits of GPTModel.forward over the whole sequence without a cache, also after its KV cache has grown past
+    its first capacity (64 slots); an engine call leaves the CPU shims'
     TorchFunctionMode in place (megatron code run afterwards still has its "cuda" literals mapped)."""
     import torch
 
@@ -124,7 +125,7 @@ def test_lean_decoder_prefill_and_steps_equal_the_model_forward():
     distributed.init_process_group()
     model, m = setup(1, 1)
     model.eval()
-    batch, prefix, steps = 3, 5, 4
+    batch, prefix, steps = 3, 5, 70
     seq = torch.randint(0, VOCAB, (batch, prefix + steps), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         full = model(seq, torch.arange(seq.shape[1]).expand(batch, -1), None)[..., :VOCAB]
