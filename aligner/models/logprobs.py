@@ -34,8 +34,9 @@ def _shifted_softmax(logits, vocab_size, group, rank):
         logits = logits.masked_fill(padding, float("-inf"))
     maximum = _all_reduce(logits.max(dim=-1, keepdim=True).values.detach(), dist.ReduceOp.MAX, group)
     z = logits - maximum
-    sum_exp = _all_reduce(z.exp().sum(-1, keepdim=True), dist.ReduceOp.SUM, group)
-    return z, z.exp() / sum_exp, sum_exp.log(), start
+    exp_z = z.exp()
+    sum_exp = _all_reduce(exp_z.sum(-1, keepdim=True), dist.ReduceOp.SUM, group)
+    return z, exp_z.div_(sum_exp), sum_exp.log(), start
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
