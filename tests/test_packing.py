@@ -59,6 +59,20 @@ def test_a_packed_pair_shares_its_common_prefix():
                                       [1, 1, 1, 1, 0, 0, 1]]  # rejected branch: trunk + itself only
 
 
+def test_flat_layout_puts_bins_one_after_another():
+    a = ([10, 11, 12, 13], [0, 0, 1, 1])  # 3 positions
+    b = ([20, 21, 22], [0, 1, 1])  # 2 positions
+    c = ([30, 31], [0, 1])  # 1 position
+    (m, n), length = build_micro_batches([[a, b, c], [c]], pad_id=0, packed=True, capacity=4, flat=True, multiple=4)
+    # bins (first fit decreasing, capacity 4): [a, c] and [b]; one row, no padding between them
+    assert length == 8 and m["tokens"].shape == n["tokens"].shape == (1, 8)
+    assert m["tokens"].tolist() == [[10, 11, 12, 30, 20, 21, 0, 0]]
+    assert m["sequence_index"].tolist() == [[0, 0, 0, 2, 1, 1, -1, -1]]
+    assert m["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 0, 1]]
+    assert m["blocks"] == [0, 4, 6, 8] and n["blocks"] == [0, 1, 8]  # the tail padding is a block too
+    assert m["segments"].tolist() == [[0, 0, 0, 1, 2, 2, 3, 3]]
+
+
 def test_tree_attention_mask_rows_for_context_parallel():
     segments = torch.tensor([[0, 0, 1, 1, 2]])
     allowed = ~tree_attention_mask(segments, segments)[0, 0]
@@ -118,8 +132,9 @@ def _loss_and_grads(model, step_loss, micro):
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}, reports
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["rows", "flat"])
 @pytest.mark.parametrize("algorithm", ["dpo", "sft"])
-def test_packed_equals_padded(model, algorithm):
+def test_packed_equals_padded(model, algorithm, flat):
     from aligner.algorithms.preference import DPO
     from aligner.config.schema import DPOConfig
     from omegaconf import OmegaConf
@@ -136,11 +151,13 @@ def test_packed_equals_padded(model, algorithm):
 
     results = []
     for packed in (False, True):
-        micro, _ = build_micro_batches(groups, pad_id=0, packed=packed, capacity=40, pairs=algorithm == "dpo")
+        micro, _ = build_micro_batches(groups, pad_id=0, packed=packed, capacity=40, pairs=algorithm == "dpo",
+                                       flat=flat)
         for batch in micro:
             batch["reference"] = torch.linspace(-30.0, -10.0, 8)
         if packed:
-            assert micro[0]["tokens"].shape[0] < 8  # several sequences share rows
+            assert micro[0]["tokens"].shape[0] == 1 if flat else micro[0]["tokens"].shape[0] < 8  # rows are shared
+            assert ("blocks" in micro[0]) == flat
         results.append(_loss_and_grads(model, step_loss, micro))
     (padded_loss, padded_grads, padded_reports), (packed_loss, packed_grads, packed_reports) = results
     assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
@@ -151,16 +168,19 @@ def test_packed_equals_padded(model, algorithm):
         assert (packed_grads[name] - grad).abs().max().item() < 1e-5 * max(1.0, grad.abs().max().item()), name
 
 
-def test_packed_rows_do_not_see_each_other(model):
+@pytest.mark.parametrize("capacity", [80, 12])  # one row; a flat row of several blocks
+def test_packed_rows_do_not_see_each_other(model, capacity):
     """Changing one packed sequence leaves the log-probs of its row neighbours unchanged."""
     from aligner.algorithms.preference import logprob_sums
 
     seqs = _sequences(4, seed=3)
     changed = list(seqs)
     changed[2] = ([7] * len(seqs[2][0]), seqs[2][1])
-    sums = [logprob_sums(model, build_micro_batches([s], 0, packed=True, capacity=80)[0], 80, 300)[0]
-            for s in (seqs, changed)]
-    assert build_micro_batches([seqs], 0, packed=True, capacity=80)[0][0]["tokens"].shape[0] == 1
+    flat = capacity < 80
+    micro = [build_micro_batches([s], 0, packed=True, capacity=capacity, flat=flat) for s in (seqs, changed)]
+    sums = [logprob_sums(model, m, length, 300)[0] for m, length in micro]
+    # flat: 3 blocks (capacity is raised to the longest sequence, and two of the others share one)
+    assert micro[0][0][0]["tokens"].shape[0] == 1 and len(micro[0][0][0].get("blocks", [0, 0])) - 1 == (3 if flat else 1)
     assert torch.allclose(sums[0][[0, 1, 3]], sums[1][[0, 1, 3]], atol=1e-5)
     assert not torch.allclose(sums[0][2], sums[1][2])
 
@@ -209,8 +229,8 @@ def test_packed_reward_model_equals_padded(model, kind):  # `model`: the process
     objective = PackedRewardObjective(kind, pad_id=0)
     micro, _ = build_micro_batches([[seq for j in range(len(objective.sequences(g[0])))
                                      for seq in (objective.sequences(s)[j] for s in g)] for g in groups],
-                                   pad_id=0, packed=True, capacity=60, pairs=kind != "regression")
-    assert micro[0]["tokens"].shape[0] < len(groups[0])  # several samples share a row
+                                   pad_id=0, packed=True, capacity=60, pairs=kind != "regression", flat=True)
+    assert micro[0]["tokens"].shape[0] == 1  # every sample in one row
     objective.annotate(None, samples, groups, micro, 0)
     packed = run(make_sequence_forward_step(objective.loss, 300, head_outputs), micro, reward_model(build_policy))
     assert packed[0] == pytest.approx(padded[0], rel=1e-5)

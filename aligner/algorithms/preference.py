@@ -36,6 +36,7 @@ import torch.distributed as dist
 from aligner.algorithms import functional as F
 from aligner.algorithms.trainer import Trainer, run_schedule
 from aligner.data.packing import build_micro_batches, tree_attention_mask, with_response_mask
+from aligner.runtime import cpu_shims
 from aligner.runtime.distributed import sum_over_group
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,19 @@ def _forward(batch: dict, model, device):
         positions = positions_on_rank(batch["tokens"].shape[1], cp, ps.get_context_parallel_rank())
         positions = positions.to(batch["tokens"].device)
     local = {k: batch[k] if positions is None else batch[k][:, positions] for k in SEQUENCE_KEYS}
-    mask = tree_attention_mask(batch["segments"], batch["parents"], positions) if batch["packed"] else None
+    if batch["packed"] and "attention_mask" not in batch:  # kept for the batch's other passes (reference, policy)
+        if "blocks" in batch:  # a flat packed row (never under CP: `PreferenceTrainer` builds rows there)
+            from aligner.models.sdpa_attention import BlockDiagonalMask
+
+            batch["attention_mask"] = BlockDiagonalMask.from_tree(batch["segments"], batch["parents"], batch["blocks"])
+        else:
+            batch["attention_mask"] = tree_attention_mask(batch["segments"], batch["parents"], positions)
+    mask = batch.get("attention_mask")
     # whole-row positions, one set per rotary section (see `with_token_positions`); megatron slices them for CP
     position_ids = batch["position_ids"].unsqueeze(0).expand(3, -1, -1)
-    return model(local["tokens"], position_ids, mask), local
+    # the forward passes no CUDA literals (with CP, megatron's rotary code pins memory: P8)
+    with cpu_shims.without_literal_rewrites() if cp == 1 else contextlib.nullcontext():
+        return model(local["tokens"], position_ids, mask), local
 
 
 def label_logprobs(vocab_size: int) -> PositionValues:
@@ -384,8 +394,16 @@ class PreferenceTrainer(Trainer):
 
     def __init__(self, *args, algorithm: PreferenceAlgorithm, reference_mode: str | None, packing: dict,
                  **kwargs):
+        from megatron.core import parallel_state as ps
+
+        from aligner.models.checkpoint import unwrap
+        from aligner.models.sdpa_attention import all_fused
+
         super().__init__(*args, **kwargs)
-        self.algorithm, self.reference_mode, self.packing = algorithm, reference_mode, packing
+        # Packed rows are flat (no padding between bins) where the attention takes block masks; the
+        # portable context-parallel attention takes a dense mask over its chunks of a row.
+        flat = packing["packed"] and ps.get_context_parallel_world_size() == 1 and all_fused(unwrap(self.model))
+        self.algorithm, self.reference_mode, self.packing = algorithm, reference_mode, {**packing, "flat": flat}
         self.reference: Reference | None = None
 
     def resume(self) -> None:

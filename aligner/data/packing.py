@@ -18,11 +18,17 @@ tensors that share one shape [rows, length] (pipeline parallelism sends fixed sh
   trunk and to themselves, never to each other, and their positions continue from the trunk's, so
   every sequence sees exactly the context it would see alone. The trunk stops one position short of
   the first differing token, since that position predicts different labels for the two sequences.
+With `flat=True` (packed only) a micro-batch is a single row: its bins follow one another with no
+padding in between (the linear layers, most of the compute, see no padding) and `length` = the
+fullest micro-batch, rounded up to `multiple`. `blocks` lists the bins' boundaries (plus the end of
+the tail padding, a block of its own); attention never crosses a boundary, so each bin is attended
+on its own (`aligner.models.sdpa_attention.BlockDiagonalMask`) and costs what a row of its own did.
 Each micro-batch dict holds, all [rows, length]: `tokens`, `labels` (int64), `loss_mask` (float32),
 `sequence_index` (which of the micro-batch's sequences a position's label belongs to, -1 on padding),
 `shared_index` (a second sequence the label also belongs to: a trunk position counts for both
 sequences of its pair; else -1), `position_ids` (the position inside its sequence), `segments` and
-`parents` (block ids for `tree_attention_mask`), plus `num_sequences` and `packed`.
+`parents` (block ids for `tree_attention_mask`), plus `num_sequences`, `packed` and, when flat,
+`blocks`.
 
 Positions: megatron's GPTModel applies rotary embeddings by row position and ignores `position_ids`
 unless it is built for explicit positions (`aligner.algorithms.preference.with_token_positions`);
@@ -30,6 +36,7 @@ packed batches need that model, padded ones work with either.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -122,18 +129,29 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def build_micro_batches(groups: Sequence[Sequence[TokenSequence]], pad_id: int, packed: bool = False,
-                        capacity: int | None = None, multiple: int = 1, pairs: bool = False) -> tuple[list[dict], int]:
+                        capacity: int | None = None, multiple: int = 1, pairs: bool = False,
+                        flat: bool = False) -> tuple[list[dict], int]:
     """(micro-batch dicts, length) for a step; see the module doc. `capacity` (packed only) is the
-    most positions a row holds; it is raised to the largest unit of the step when smaller."""
+    most positions a row (a block, when flat) holds; it is raised to the largest unit of the step
+    when smaller."""
     units = [_units(group, packed, pairs) for group in groups]
     longest = max(len(u) for us in units for u in us)
     capacity = max(capacity or longest, longest)
     layouts = [first_fit_decreasing([len(u) for u in us], capacity) if packed else [[i] for i in range(len(us))]
                for us in units]
-    rows = max(len(layout) for layout in layouts)
-    fill = max(sum(len(us[i]) for i in row) for us, layout in zip(units, layouts) for row in layout)
-    length = _round_up(fill, multiple)
-    batches = [_fill(us, layout, rows, length, pad_id) for us, layout in zip(units, layouts)]
+    if packed and flat:
+        length = _round_up(max(sum(len(u) for u in us) for us in units), multiple)
+        batches = []
+        for us, layout in zip(units, layouts):
+            batch = _fill(us, [[i for row in layout for i in row]], 1, length, pad_id)
+            bounds = [0, *itertools.accumulate(sum(len(us[i]) for i in row) for row in layout)]
+            batch["blocks"] = bounds + [length] if bounds[-1] < length else bounds
+            batches.append(batch)
+    else:
+        rows = max(len(layout) for layout in layouts)
+        fill = max(sum(len(us[i]) for i in row) for us, layout in zip(units, layouts) for row in layout)
+        length = _round_up(fill, multiple)
+        batches = [_fill(us, layout, rows, length, pad_id) for us, layout in zip(units, layouts)]
     for batch, group in zip(batches, groups):
         batch.update(num_sequences=len(group), packed=packed)
     return batches, length

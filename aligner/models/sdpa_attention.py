@@ -5,8 +5,10 @@ softmaxes and multiplies in separate ops. torch's fused kernel (flash attention 
 its memory-efficient kernel for a masked GPU call) does the same maths in one pass: on the tiny CPU
 model it is ~3x faster forward and ~1.5x forward + backward, and equal to ~1e-6. It takes megatron's
 arguments: `attention_mask` None means causal; otherwise a bool mask [b, 1, s_q, s_k], True where
-attention is NOT allowed (packed rows, `aligner.data.packing.tree_attention_mask`). Grouped-query
-attention is handled by the kernel (no repeated keys).
+attention is NOT allowed (packed rows, `aligner.data.packing.tree_attention_mask`), or a
+`BlockDiagonalMask` (flat packed rows: independent blocks of one row, each attended on its own, so
+no work is spent on the all-masked space between blocks). Grouped-query attention is handled by the
+kernel (no repeated keys).
 
 Not covered, so `use_fused_attention` leaves such layers alone: attention dropout (megatron draws it
 from its tensor-parallel RNG tracker), context parallelism (`cp_attention.py`) and the
@@ -15,9 +17,29 @@ Transformer-Engine spec (TE has its own fused attention).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.module import MegatronModule
+
+
+@dataclass
+class BlockDiagonalMask:
+    """Attention inside consecutive blocks of a row: block i is positions bounds[i]..bounds[i+1]-1
+    with its own bool mask allowed[i] [b, 1, n_i, n_i] (True where attention IS allowed, torch's
+    convention, unlike megatron's masks); no position attends outside its block. Passed through
+    megatron as the `attention_mask`."""
+
+    bounds: list[int]
+    allowed: list[torch.Tensor]
+
+    @classmethod
+    def from_tree(cls, segments: torch.Tensor, parents: torch.Tensor, bounds: list[int]) -> "BlockDiagonalMask":
+        """Each block's `tree_attention_mask` (block ids as in `aligner.data.packing`)."""
+        from aligner.data.packing import tree_attention_mask
+
+        return cls(list(bounds), [~tree_attention_mask(segments[:, a:e], parents[:, a:e])
+                                  for a, e in zip(bounds, bounds[1:])])
 
 
 class FusedCoreAttention(MegatronModule):
@@ -31,13 +53,28 @@ class FusedCoreAttention(MegatronModule):
                 packed_seq_params=None, **kwargs):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("FusedCoreAttention takes neither packed_seq_params nor attention_bias")
+        if isinstance(attention_mask, BlockDiagonalMask):
+            bounds = attention_mask.bounds
+            sizes = [e - a for a, e in zip(bounds, bounds[1:])]
+            # split, not slices: its backward is one concatenation, where each slice's would be a
+            # zero-filled full-length gradient to add up
+            blocks = zip(*(x.split(sizes) for x in (query, key, value)), attention_mask.allowed)
+            return torch.cat([self._attend(q, k, v, allowed) for q, k, v, allowed in blocks])
+        return self._attend(query, key, value, None if attention_mask is None else ~attention_mask)
+
+    def _attend(self, query, key, value, allowed):
         s, b, heads, dim = query.shape
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        allowed = None if attention_mask is None else ~attention_mask
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=attention_mask is None, scale=self.softmax_scale,
+            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.softmax_scale,
             enable_gqa=key.shape[2] != heads)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
+
+
+def all_fused(model) -> bool:
+    """Whether every attention layer of `model` is a `FusedCoreAttention` (takes a `BlockDiagonalMask`)."""
+    layers = [getattr(layer, "self_attention", None) for layer in model.decoder.layers]
+    return bool(layers) and all(isinstance(getattr(a, "core_attention", None), FusedCoreAttention) for a in layers)
 
 
 def use_fused_attention(gpt) -> int:
