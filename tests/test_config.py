@@ -97,7 +97,28 @@ def test_spin_rules_fail_before_launch(overrides, fragment):
     ("dpo", ["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"], "applies to dpo.loss_type=sigmoid or robust"),
     ("dpo", ["dpo.label_smoothing=0.5"], r"in \[0, 0.5\)"),
     ("dpo", ["data.packing=true", "model.transformer_impl=transformer_engine"], "needs the local layer spec"),
+    ("rm", ["data.packing=true", "model.transformer_impl=transformer_engine"], "needs the local layer spec"),
 ])
 def test_algorithm_rules_fail_before_launch(command, overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config(command, REQUIRED + overrides, world_size=1)
+
+
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_packing_is_automatic_for_dpo_and_rm(command):
+    """null: packed on the local layer spec, padded on Transformer Engine's (no error there)."""
+    from omegaconf import OmegaConf
+
+    from aligner.algorithms.preference import packing_enabled
+
+    local = load_config(command, REQUIRED + ["model.transformer_impl=local"], world_size=1)
+    assert local.data.packing is None and packing_enabled(local)
+    assert not packing_enabled(load_config(command, REQUIRED + ["data.packing=false"], world_size=1))
+    engine = OmegaConf.merge(local, {"model": {"transformer_impl": "transformer_engine"}})
+    assert load_config(command, REQUIRED + ["model.transformer_impl=transformer_engine"], world_size=1)
+    with pytest.MonkeyPatch.context() as patch:  # a host where Transformer Engine imports
+        patch.setattr("aligner.models.gpt.use_transformer_engine", lambda impl: impl != "local")
+        assert not packing_enabled(engine)
+        with pytest.raises(ValueError, match="data.packing=null packs only where it can"):
+            packing_enabled(OmegaConf.merge(engine, {"data": {"packing": True}}))
+    assert load_config("sft", REQUIRED, world_size=1).data.packing is False  # opt-in elsewhere

@@ -1,7 +1,7 @@
 """Reward-model training: hand-computed losses, the preference / regression data formats, and
-`aligner train rm` learning a synthetic preference task at TP=1 and TP=2, with PP=2, CP=2 and DP=2
-reproducing the TP=1 losses and gradient norms, and packed pairs (TP=1, TP=2, PP=2, CP=2) reproducing
-the padded ones."""
+`aligner train rm` (padded) learning a synthetic preference task at TP=1 and TP=2, with PP=2, CP=2 and
+DP=2 reproducing the TP=1 losses and gradient norms, and packed pairs (the default on the local layer
+spec; TP=1, TP=2, PP=2, CP=2) reproducing the padded ones."""
 from __future__ import annotations
 
 import json
@@ -156,9 +156,13 @@ _runs, _rm_checkpoints = {}, {}
 
 
 def _train(assets, data, tmp_path_factory, name, *layout, steps=STEPS):
+    # Padded: at this learning rate a step-3 gradient spike makes runs chaotic, so the held-out score
+    # belongs to one trajectory (packed runs agree step for step but drift apart from step ~8 on,
+    # from float rounding; tests/test_example.py trains the packed default end to end).
     run_dir = tmp_path_factory.mktemp(f"rm_{name}")
     result = run_cli(*rm_args(assets, data, run_dir, f"trainer.max_steps={steps}", f"trainer.val_interval={steps}",
-                              f"data.val_path={data / 'val.jsonl'}", "trainer.val_batches=8", *layout))
+                              f"data.val_path={data / 'val.jsonl'}", "trainer.val_batches=8", "data.packing=false",
+                              *layout))
     assert result.returncode == 0, result.stderr[-4000:]
     _runs[name] = read_metrics(run_dir)
     _rm_checkpoints[name] = run_dir / "checkpoints" / f"step_{steps:06d}"
@@ -185,8 +189,8 @@ def test_rm_learns_held_out_preferences(tiny_assets, preference_data, tmp_path_f
 
 @pytest.fixture(scope="module")
 def from_trained_rm(tiny_assets, preference_data, tmp_path_factory):
-    """2 steps at TP=1 starting from a trained reward model (the other layouts start from it too,
-    since initial weights drawn under PP differ from TP=1's)."""
+    """2 padded steps at TP=1 starting from a trained reward model (the other layouts start from it
+    too, since initial weights drawn under PP differ from TP=1's)."""
     if "tp1" not in _runs:
         _train(tiny_assets, preference_data, tmp_path_factory, "tp1")
     pretrained = _rm_checkpoints["tp1"]
@@ -198,7 +202,7 @@ def from_trained_rm(tiny_assets, preference_data, tmp_path_factory):
         assert result.returncode == 0, result.stderr[-4000:]
         return read_metrics(run_dir)
 
-    return run, run()
+    return run, run("data.packing=false")
 
 
 @pytest.mark.dist
@@ -207,7 +211,7 @@ def from_trained_rm(tiny_assets, preference_data, tmp_path_factory):
 def test_rm_parallel_layouts_match_tp1(from_trained_rm, layout):
     run, reference = from_trained_rm
     assert reference[0]["accuracy"] > 0.6  # the trained head was loaded, not re-initialised
-    for a, b in zip(reference, run("launcher.nproc_per_node=2", *layout)):
+    for a, b in zip(reference, run("launcher.nproc_per_node=2", "data.packing=false", *layout)):
         for key in ("loss", "accuracy", "reward/margin", "grad_norm"):
             assert a[key] == pytest.approx(b[key], abs=2e-4), (key, a[key], b[key])
 

@@ -629,13 +629,23 @@ class SFTObjective(PreferenceAlgorithm):
         return loss, counts.sum(), {"loss": loss.detach()}
 
 
-def check_packing(cfg) -> None:
+def packing_enabled(cfg) -> bool:
+    """Whether a run packs its batches: `data.packing` true or false, or null (auto): packed on the
+    local layer spec, padded on the Transformer-Engine spec (said in the log). Packed and padded
+    batches give the same results; packing only saves work."""
     from aligner.models.gpt import use_transformer_engine
 
-    if cfg.data.packing and use_transformer_engine(cfg.model.transformer_impl):
+    engine = use_transformer_engine(cfg.model.transformer_impl)
+    if cfg.data.packing is None:
+        if engine:
+            log.info("data.packing=null (auto): padded batches, since the Transformer-Engine attention takes no "
+                     "tree masks")
+        return not engine
+    if cfg.data.packing and engine:
         raise ValueError("data.packing=true needs the local layer spec (model.transformer_impl=local): the "
                          "Transformer-Engine attention ignores the block-causal mask and its THD packed format "
-                         "is not wired in yet")
+                         "is not wired in yet; data.packing=null packs only where it can")
+    return bool(cfg.data.packing)
 
 
 # ---- entry point ------------------------------------------------------------------------------------------
@@ -647,7 +657,7 @@ def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
     from aligner.runtime import distributed
 
     m, d = cfg.model, cfg.data
-    check_packing(cfg)
+    packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
@@ -660,7 +670,7 @@ def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
 
     train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
     model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
-    packing = {"packed": bool(d.packing), "capacity": d.pack_length}
+    packing = {"packed": packed, "capacity": d.pack_length}
     mode = cfg.reference.mode if "reference" in cfg else None
     mode = getattr(mode, "value", mode)
     step = make_sequence_forward_step(algorithm.loss, vocab_size)

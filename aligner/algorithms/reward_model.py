@@ -6,10 +6,11 @@ output at its last real token. A pair micro-batch holds the chosen sequences in 
 rows and the rejected ones in the second, so one forward pass scores both. Under context
 parallelism each rank holds two chunks of every sequence: the rank holding a sequence's last token
 contributes its score and the scores are summed over the CP group.
-With `data.packing=true` the batches are those of the preference trainers instead (`aligner.data.packing`):
-a pair's common prefix (the prompt) is computed once as the trunk of a pair tree, each side's reward is
-read at its last token in its own branch, and regression samples are packed as plain sequences; the
-losses, metrics and gradients are the padded ones (tests/test_packing.py, tests/test_rm.py).
+Packed (`data.packing`; by default on the local layer spec), the batches are those of the preference
+trainers instead (`aligner.data.packing`): a pair's common prefix (the prompt) is computed once as the
+trunk of a pair tree, each side's reward is read at its last token in its own branch, and regression
+samples are packed as plain sequences; the losses, metrics and gradients are the padded ones
+(tests/test_packing.py, tests/test_rm.py).
 
 Loss conventions (the maths is in `functional`; the trainer divides sums by the global count):
 * `bt`:         -log sigmoid(r_chosen - r_rejected), summed over pairs; count = pairs.
@@ -260,8 +261,8 @@ def main(argv: list[str]) -> None:
 
 def run(cfg) -> None:
     """One rank of `aligner train rm` with a validated config."""
-    from aligner.algorithms.preference import (PreferenceFormat, build_policy, check_packing, head_outputs,
-                                               make_sequence_forward_step)
+    from aligner.algorithms.preference import (PreferenceFormat, build_policy, head_outputs,
+                                               make_sequence_forward_step, packing_enabled)
     from aligner.data.preference_rm import load_rm_dataset
     from aligner.data.tokenizer import load_tokenizer, model_vocab_size
     from aligner.models.gpt import build_gpt
@@ -272,7 +273,7 @@ def run(cfg) -> None:
     m, rm, d = cfg.model, cfg.rm, cfg.data
     loss = rm.loss.value if hasattr(rm.loss, "value") else str(rm.loss)
     attributes = list(rm.attributes)
-    check_packing(cfg)
+    packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
@@ -285,7 +286,7 @@ def run(cfg) -> None:
     num_outputs = len(attributes) if kind == "regression" else 1
     head_meta = {"num_outputs": num_outputs, "attributes": attributes or None, "loss": loss}
     step_kind = "margin_pairs" if loss == "margin_bt" else kind
-    if d.packing:  # several sequences per row, a pair's prompt computed once: the preference machinery
+    if packed:  # several sequences per row, a pair's prompt computed once: the preference machinery
         objective = PackedRewardObjective(step_kind, tokenizer.pad_token_id)
         model = attach_scalar_head(build_policy(m, vocab_size), num_outputs)
         model, optimizer, scheduler = wrap_for_training(model, m, cfg.optim)

@@ -33,7 +33,7 @@ def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
     """One rank of `aligner train sft` with a validated config. `condition(record, tokenizer)` gives
     ids to put at the start of each sample outside the loss (SteerLM), `extra_meta` goes into every
     checkpoint's metadata."""
-    from aligner.algorithms.preference import check_packing
+    from aligner.algorithms.preference import packing_enabled
     from aligner.data.sft import load_sft_dataset
     from aligner.data.tokenizer import load_tokenizer, model_vocab_size
     from aligner.models.gpt import build_gpt
@@ -41,7 +41,7 @@ def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
     from aligner.runtime import distributed
 
     m = cfg.model
-    check_packing(cfg)
+    packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
@@ -52,7 +52,7 @@ def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
         return load_sft_dataset(path, tokenizer, d.format, d.max_length, d.overlong, prefix=prefix)
 
     train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
-    if d.packing:  # several samples per row: the sequence machinery of the preference trainers
+    if packed:  # several samples per row: the sequence machinery of the preference trainers
         from aligner.algorithms import preference as p
 
         objective = p.SFTObjective()

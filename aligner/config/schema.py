@@ -59,7 +59,9 @@ class DataConfig:
 
 @dataclass
 class PackableDataConfig(DataConfig):
-    packing: bool = False  # several sequences per row with block-causal attention (local layer spec)
+    # several sequences per row with block-causal attention, a pair's common prefix computed once (the
+    # padded results); null = auto: packed on the local layer spec, padded on Transformer Engine's
+    packing: Optional[bool] = False
     pack_length: Optional[int] = None  # most positions in a packed row; None = the step's longest sequence or pair
 
 
