@@ -78,8 +78,13 @@ def _forward(batch: dict, model, device):
     mask = batch.get("attention_mask")
     # whole-row positions, one set per rotary section (see `with_token_positions`); megatron slices them for CP
     position_ids = batch["position_ids"].unsqueeze(0).expand(3, -1, -1)
-    # the forward passes no CUDA literals (with CP, megatron's rotary code pins memory: P8)
-    with cpu_shims.without_literal_rewrites() if cp == 1 else contextlib.nullcontext():
+    # With torch's fused attention in every layer and no CP the forward passes no CUDA literals; megatron's
+    # own attention builds its causal mask on "cuda", and with CP its rotary code pins memory (P8).
+    from aligner.models.checkpoint import unwrap
+    from aligner.models.sdpa_attention import all_fused
+
+    literal_free = cp == 1 and all_fused(unwrap(model))
+    with cpu_shims.without_literal_rewrites() if literal_free else contextlib.nullcontext():
         return model(local["tokens"], position_ids, mask), local
 
 
