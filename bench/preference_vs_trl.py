@@ -13,6 +13,11 @@ trl transformers datasets accelerate psutil`), driving the peer baseline's own s
 bench_reward.py, setup_artifacts.py, with their exact TRL configuration). aligner loads the same HF
 weights through `aligner convert hf-to-mcore`.
 
+The like-for-like rows run TRL's configuration: DPO with the reference's log-probs computed every
+step by a second model (`reference.mode=model`), and both with packed batches (`data.packing=true`:
+several pairs per row, a pair's prompt computed once, the padded results). The padded rows and the
+precomputed-reference row are extra, labelled as such.
+
 Tokens are the non-padding tokens of the sequences the trained model reads in a step (chosen and
 rejected, prompt included), the same count for both stacks. Step time is wall time per optimizer
 step (median); CPU s/step is the process's CPU time per step (mean over the timed steps: TRL's harness
@@ -142,16 +147,21 @@ def run_aligner(name: str, command: str, extra: list[str], paths: dict, out: Pat
 def cases(paths: dict, out: Path) -> dict:
     dpo = ["dpo.beta=0.1", "dpo.loss_type=sigmoid", f"model.pretrained={out / 'policy_mcore'}"]
     rm = ["rm.loss=bt", f"model.pretrained={out / 'reward_mcore'}"]
-    return {  # name -> (task, runner args)
-        "trl_dpo": ("dpo", ("trl", "bench_dpo.py")),
-        "aligner_dpo": ("dpo", ("aligner", "dpo", dpo + ["reference.mode=model"])),
-        "aligner_dpo_packed": ("dpo", ("aligner", "dpo", dpo + ["reference.mode=model", "data.packing=true"])),
-        # not the peer's configuration (its reference runs every step): reference log-probs computed
-        # once before training, as TRL's precompute_ref_log_probs=True would; that pass is not timed
-        "aligner_dpo_packed_precomputed_ref": ("dpo", ("aligner", "dpo", dpo + ["data.packing=true",
-                                                                                "reference.mode=precompute"])),
-        "trl_reward": ("rm", ("trl", "bench_reward.py")),
-        "aligner_rm": ("rm", ("aligner", "rm", rm)),
+    return {  # name -> (task, what it is, runner args)
+        "trl_dpo": ("dpo", "peer", ("trl", "bench_dpo.py")),
+        # TRL's configuration: the reference's log-probs computed every step by a second model
+        "aligner_dpo_packed": ("dpo", "like-for-like", ("aligner", "dpo", dpo + ["reference.mode=model",
+                                                                                 "data.packing=true"])),
+        "aligner_dpo_padded": ("dpo", "extra: padded", ("aligner", "dpo", dpo + ["reference.mode=model",
+                                                                                 "data.packing=false"])),
+        # not the peer's configuration: reference log-probs computed once before training, as TRL's
+        # precompute_ref_log_probs=True would; that pass is not timed
+        "aligner_dpo_packed_precomputed_ref": ("dpo", "extra: reference precomputed",
+                                               ("aligner", "dpo", dpo + ["data.packing=true",
+                                                                         "reference.mode=precompute"])),
+        "trl_reward": ("rm", "peer", ("trl", "bench_reward.py")),
+        "aligner_rm_packed": ("rm", "like-for-like", ("aligner", "rm", rm + ["data.packing=true"])),
+        "aligner_rm_padded": ("rm", "extra: padded", ("aligner", "rm", rm + ["data.packing=false"])),
     }
 
 
@@ -172,7 +182,7 @@ def main() -> None:
     todo = {k: v for k, v in cases(paths, out).items() if not args.only or k in args.only}
     kept: dict[str, dict] = {}
     for attempt in range(args.repeats):
-        for name, (_, runner) in todo.items():
+        for name, (_, _, runner) in todo.items():
             if runner[0] == "trl":
                 r = run_trl(name, runner[1], paths, out, args.steps, args.warmup, args.threads, attempt)
             else:
@@ -184,15 +194,15 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"args": vars(args), "results": kept}, indent=1))
     print(f"\nCPU, fp32, {args.threads} torch thread(s) per run, 16 pairs (32 sequences) per step, steps "
           f"{args.warmup + 1}..{args.steps}\n")
-    print("| task | run | s/step (median) | s/step (min) | CPU s/step | tokens/step | tokens/s (CPU) | "
+    print("| task | run | configuration | s/step (median) | s/step (min) | CPU s/step | tokens/step | tokens/s (CPU) | "
           "TRL / this (CPU s/step) | TRL / this (wall) | other cores |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, (task, _) in todo.items():
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, (task, what, _) in todo.items():
         r = kept[name]
         peer = kept.get("trl_dpo" if task == "dpo" else "trl_reward")
         cpu_ratio = f"{peer['cpu_step_s'] / r['cpu_step_s']:.2f}x" if peer else "n/a"
         wall_ratio = f"{peer['step_s'] / r['step_s']:.2f}x" if peer else "n/a"
-        print(f"| {task} | {name} | {r['step_s']:.4f} | {r['min_step_s']:.4f} | {r['cpu_step_s']:.4f} | "
+        print(f"| {task} | {name} | {what} | {r['step_s']:.4f} | {r['min_step_s']:.4f} | {r['cpu_step_s']:.4f} | "
               f"{r['tokens_per_step']:.0f} | {r['tokens_per_step'] / r['cpu_step_s']:.0f} | {cpu_ratio} | "
               f"{wall_ratio} | {r['other_cores']:.2f} |")
 
