@@ -117,19 +117,25 @@ def _sequences(n: int, seed: int):
     return chosen + rejected
 
 
-def _loss_and_grads(model, step_loss, micro):
-    from aligner.algorithms.preference import make_sequence_forward_step
-
+def _run_micro_batches(step, micro, model):
+    """Forward and backward of each micro-batch with a megatron-style forward step:
+    (loss total, gradients by parameter name, reports with each micro-batch's loss count)."""
     model.zero_grad()
-    step = make_sequence_forward_step(step_loss, 300)
     total, reports = 0.0, []
     for batch in micro:
         output, loss_func = step(iter([batch]), model)
         loss, count, report = loss_func(output)
         loss.backward()
         total += loss.item()
-        reports.append(report)
+        reports.append({**report, "count": count})
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}, reports
+
+
+def _loss_and_grads(model, step_loss, micro):
+    from aligner.algorithms.preference import make_sequence_forward_step
+
+    total, grads, reports = _run_micro_batches(make_sequence_forward_step(step_loss, 300), micro, model)
+    return total, grads, [{k: v for k, v in r.items() if k != "count"} for r in reports]
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["rows", "flat"])
@@ -213,26 +219,17 @@ def test_packed_reward_model_equals_padded(model, kind):  # `model`: the process
         padded_format = PairFormat(pad_id=0)
     groups = [samples[:len(samples) // 2], samples[len(samples) // 2:]]
 
-    def run(step, micro, rm):
-        rm.zero_grad()
-        total, reports = 0.0, []
-        for batch in micro:
-            output, loss_func = step(iter([batch]), rm)
-            loss, count, report = loss_func(output)
-            loss.backward()
-            total += loss.item()
-            reports.append({**report, "count": count})
-        return total, {n: p.grad.clone() for n, p in rm.named_parameters()}, reports
-
     length = max(padded_format.length(s) for s in samples)
-    padded = run(make_rm_forward_step(kind), [padded_format.collate(g, length) for g in groups], reward_model(build_gpt))
+    padded = _run_micro_batches(make_rm_forward_step(kind), [padded_format.collate(g, length) for g in groups],
+                                reward_model(build_gpt))
     objective = PackedRewardObjective(kind, pad_id=0)
     micro, _ = build_micro_batches([[seq for j in range(len(objective.sequences(g[0])))
                                      for seq in (objective.sequences(s)[j] for s in g)] for g in groups],
                                    pad_id=0, packed=True, capacity=60, pairs=kind != "regression", flat=True)
     assert micro[0]["tokens"].shape[0] == 1  # every sample in one row
     objective.annotate(None, samples, groups, micro, 0)
-    packed = run(make_sequence_forward_step(objective.loss, 300, head_outputs), micro, reward_model(build_policy))
+    packed = _run_micro_batches(make_sequence_forward_step(objective.loss, 300, head_outputs), micro,
+                                reward_model(build_policy))
     assert packed[0] == pytest.approx(padded[0], rel=1e-5)
     for a, b in zip(padded[2], packed[2]):
         assert a.keys() == b.keys()

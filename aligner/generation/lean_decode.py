@@ -15,8 +15,9 @@ cache's whole capacity C, the slots not written yet masked out by an additive -i
 whole capacity and not the written prefix: a prefix slice of every (sample, head) matrix is a
 gapped read that the CPU streams about twice as slowly as the contiguous cache (measured on a
 batch-32 step), and the masked slots cost a few more multiply-adds. The capacity doubles (a copy)
-when a step reaches it, so it stays within twice the written length. `unsupported_reason(model)` says when a model falls outside this maths (the
-engine then keeps megatron's forward).
+when a step reaches it, so it stays within twice the written length.
+`unsupported_reason(model)` says when a model falls outside this maths (the engine then keeps
+megatron's forward).
 """
 from __future__ import annotations
 
