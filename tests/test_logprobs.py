@@ -1,9 +1,11 @@
 """Vocab-parallel log-probs and entropy against torch's log_softmax, forward and backward,
-with megatron's padded vocabulary rows excluded. (TP=2 is covered by the parity tests, whose
-loss and gradients go through these functions.)"""
+with megatron's padded vocabulary rows excluded: both the split-vocabulary function (here on one
+rank; TP=2 is covered by the parity tests, whose loss and gradients go through it) and the
+one-rank path that `vocab_parallel_logprobs` takes without TP."""
+import pytest
 import torch
 
-from aligner.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from aligner.models.logprobs import _VocabParallelLogProbs, vocab_parallel_entropy, vocab_parallel_logprobs
 
 
 def _case(vocab=37, padded=40, shape=(3, 5), seed=0):
@@ -13,9 +15,10 @@ def _case(vocab=37, padded=40, shape=(3, 5), seed=0):
     return logits, target
 
 
-def test_logprobs_match_log_softmax_and_ignore_padding():
+@pytest.mark.parametrize("logprobs", [vocab_parallel_logprobs, _VocabParallelLogProbs.apply], ids=["entry", "split"])
+def test_logprobs_match_log_softmax_and_ignore_padding(logprobs):
     logits, target = _case()
-    ours = vocab_parallel_logprobs(logits, target, vocab_size=37)
+    ours = logprobs(logits, target, 37)
     reference = torch.log_softmax(logits[..., :37], -1).gather(-1, target[..., None]).squeeze(-1)
     assert torch.allclose(ours, reference, atol=1e-6)
     weights = torch.randn(ours.shape)

@@ -94,6 +94,9 @@ def build_gpt(m, vocab_size: int, pre_process: bool | None = None, post_process:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from aligner.models import rope
+
+    rope.install()
     config = transformer_config(m)
     model = GPTModel(
         config=config,

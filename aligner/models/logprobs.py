@@ -82,6 +82,12 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """log p(target) per position. logits [..., V/TP] (this rank's slice), target [...] global ids."""
+    group, _ = _tp_group()
+    if group is None or dist.get_world_size(group) == 1:  # the whole vocabulary here: torch's fused log-softmax
+        logits = logits.float()
+        if vocab_size is not None and logits.shape[-1] > vocab_size:
+            logits = logits[..., :vocab_size]
+        return logits.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return _VocabParallelLogProbs.apply(logits, target, vocab_size)
 
 
