@@ -96,10 +96,13 @@ def start_training_rank(cfg) -> None:
     from aligner.observe.logs import configure_logging
     from aligner.runtime.seeding import seed_everything
 
+    from aligner.runtime.cpu_memory import keep_freed_memory
+
     m = cfg.model
     init_process_group()
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.launcher.threads_per_rank)
+        keep_freed_memory()
     init_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
     configure_logging(dist.get_rank())
     seed_everything(cfg.trainer.seed)
