@@ -26,6 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from aligner.models.rope import cos_and_signed_sin
+
 def unsupported_reason(model) -> str | None:
     """None when `LeanDecoder` computes exactly what GPTModel.forward computes for this model."""
     c = model.config
@@ -97,8 +99,7 @@ class LeanDecoder:
         weight = next(model.parameters())
         self.dtype, self.device = weight.dtype, weight.device
         emb = model.rotary_pos_emb(max_seq)[:, 0, 0, :]  # [S, rot_dim], as megatron's forward uses
-        cos, sin = torch.cos(emb), torch.sin(emb)
-        sin[:, : emb.shape[-1] // 2].neg_()  # the sign of rotate_half, folded in
+        cos, sin = cos_and_signed_sin(emb)
         # per slot, for a group's R query heads (softmax scale folded in) and its key head: [S, R + 1, rot_dim]
         row_scale = torch.tensor([self.scale] * self.heads_per_group + [1.0], device=emb.device)[None, :, None]
         self.cos = (cos[:, None, :] * row_scale).to(self.dtype)

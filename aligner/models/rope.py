@@ -21,16 +21,19 @@ _original = None
 _last: tuple | None = None  # (freqs, dtype, cos, signed_sin) of the latest forward
 
 
-def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed sin) of `freqs` [..., D] in `dtype`; the first half of sin negated."""
-    global _last
-    if _last is not None and _last[0] is freqs and _last[1] == dtype:
-        return _last[2], _last[3]
-    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-    half = freqs.shape[-1] // 2
-    sin[..., :half].neg_()
-    _last = (freqs, dtype, cos, sin)
+def cos_and_signed_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of angles `freqs` [..., D], the first half of sin negated (rotate_half's sign)."""
+    cos, sin = freqs.cos(), freqs.sin()
+    sin[..., : freqs.shape[-1] // 2].neg_()
     return cos, sin
+
+
+def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cos_and_signed_sin(freqs)` in `dtype`, computed once for the latest frequency tensor."""
+    global _last
+    if _last is None or _last[0] is not freqs or _last[1] != dtype:
+        _last = (freqs, dtype, *(t.to(dtype) for t in cos_and_signed_sin(freqs)))
+    return _last[2], _last[3]
 
 
 class _Rope(torch.autograd.Function):

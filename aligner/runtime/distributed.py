@@ -94,9 +94,8 @@ def start_training_rank(cfg) -> None:
     """Everything a rank of a training command sets up before it builds anything: the process
     group, CPU threads, the model-parallel groups of `cfg.model`, per-rank logging and seeds."""
     from aligner.observe.logs import configure_logging
-    from aligner.runtime.seeding import seed_everything
-
     from aligner.runtime.cpu_memory import keep_freed_memory
+    from aligner.runtime.seeding import seed_everything
 
     m = cfg.model
     init_process_group()
