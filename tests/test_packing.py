@@ -73,6 +73,16 @@ def test_flat_layout_puts_bins_one_after_another():
     assert m["segments"].tolist() == [[0, 0, 0, 1, 2, 2, 3, 3]]
 
 
+def test_attention_blocks_split_bins_into_unit_runs(monkeypatch):
+    from aligner.data import packing
+
+    monkeypatch.setattr(packing, "MIN_ATTENTION_BLOCK", 64)
+    # bin 1: 100 | 30 + 40 (a run closes at >= 64 positions); bin 2: 50 (closed by the bin's end); padding
+    assert packing.attention_blocks([[100, 30, 40], [50]], 230) == [0, 100, 170, 220, 230]
+    assert packing.attention_blocks([[10, 10], [20]], 40) == [0, 20, 40]  # small units share their bin
+    assert packing.attention_blocks([[70, 70]], 140) == [0, 70, 140]  # no padding block when full
+
+
 def test_tree_attention_mask_rows_for_context_parallel():
     segments = torch.tensor([[0, 0, 1, 1, 2]])
     allowed = ~tree_attention_mask(segments, segments)[0, 0]
@@ -138,12 +148,17 @@ def _loss_and_grads(model, step_loss, micro):
     return total, grads, [{k: v for k, v in r.items() if k != "count"} for r in reports]
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["rows", "flat"])
+@pytest.mark.parametrize("flat, unit_blocks", [(False, False), (True, False), (True, True)],
+                         ids=["rows", "flat", "flat-unit-blocks"])
 @pytest.mark.parametrize("algorithm", ["dpo", "sft"])
-def test_packed_equals_padded(model, algorithm, flat):
+def test_packed_equals_padded(model, algorithm, flat, unit_blocks, monkeypatch):
     from aligner.algorithms.preference import DPO
     from aligner.config.schema import DPOConfig
+    from aligner.data import packing
     from omegaconf import OmegaConf
+
+    if unit_blocks:  # every sequence or pair tree is attended on its own, not its whole bin
+        monkeypatch.setattr(packing, "MIN_ATTENTION_BLOCK", 1)
 
     groups = [_sequences(8, seed=1), _sequences(8, seed=2)]  # two micro-batches of 4 pairs (8 sequences)
     if algorithm == "dpo":
@@ -164,6 +179,9 @@ def test_packed_equals_padded(model, algorithm, flat):
         if packed:
             assert micro[0]["tokens"].shape[0] == 1 if flat else micro[0]["tokens"].shape[0] < 8  # rows are shared
             assert ("blocks" in micro[0]) == flat
+            if flat:  # blocks: one per unit (+ the tail padding), or whole bins of several units
+                units = 4 if algorithm == "dpo" else 8
+                assert (len(micro[0]["blocks"]) - 1 >= units) == unit_blocks
         results.append(_loss_and_grads(model, step_loss, micro))
     (padded_loss, padded_grads, padded_reports), (packed_loss, packed_grads, packed_reports) = results
     assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
