@@ -36,6 +36,7 @@ import torch.distributed as dist
 from aligner.algorithms import functional as F
 from aligner.algorithms.trainer import Trainer, run_schedule
 from aligner.data.packing import build_micro_batches, tree_attention_mask, with_response_mask
+from aligner.models.read_positions import masked_rows, read_only
 from aligner.runtime import cpu_shims
 from aligner.runtime.distributed import sum_over_group
 
@@ -84,7 +85,9 @@ def _forward(batch: dict, model, device):
     from aligner.models.sdpa_attention import all_fused
 
     literal_free = cp == 1 and all_fused(unwrap(model))
-    with cpu_shims.without_literal_rewrites() if literal_free else contextlib.nullcontext():
+    # the losses read the output only where the loss mask is set (`_sequence_sums`)
+    with cpu_shims.without_literal_rewrites() if literal_free else contextlib.nullcontext(), \
+            read_only(model, masked_rows(local["loss_mask"])):
         return model(local["tokens"], position_ids, mask), local
 
 
