@@ -1,7 +1,8 @@
 """Build a Megatron-core `GPTModel` (Llama family) from a `ModelConfig`.
 
-Transformer-Engine layer spec when TE imports on a GPU host, else megatron's local spec; on the
-local spec, context parallelism uses our portable all-gather attention (`cp_attention.py`).
+Transformer-Engine layer spec when TE imports on a GPU host, else megatron's local spec, with its
+MLP's SwiGLU in one autograd function (`swiglu.py`); on the local spec, context parallelism uses
+our portable all-gather attention (`cp_attention.py`).
 """
 from __future__ import annotations
 
@@ -80,11 +81,13 @@ def layer_spec(m):
 
     if use_transformer_engine(m.transformer_impl):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    from aligner.models.swiglu import SwiGLUMLP
+
+    spec = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.mlp.module = SwiGLUMLP
     if m.context_parallel_size > 1:
         from aligner.models.cp_attention import AllGatherContextParallelAttention
 
-        spec = copy.deepcopy(spec)
         spec.submodules.self_attention.submodules.core_attention = AllGatherContextParallelAttention
     return spec
 

@@ -28,7 +28,7 @@ def final_mlp(gpt):
     if not gpt.post_process or config.sequence_parallel or config.recompute_granularity is not None:
         return None
     layer = gpt.decoder.layers[-1]
-    if getattr(layer, "recompute_mlp", False) or type(layer.mlp) is not MLP:
+    if getattr(layer, "recompute_mlp", False) or not isinstance(layer.mlp, MLP):  # not MoE
         return None
     return layer.mlp
 
