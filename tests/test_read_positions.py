@@ -94,3 +94,50 @@ def test_no_read_rows_and_the_cases_left_alone():
 def test_masked_rows_are_position_major():
     mask = torch.tensor([[0, 1, 1], [1, 0, 0]])  # [b, s]; megatron's hidden states are [s, b]
     assert masked_rows(mask).tolist() == [1, 2, 4]  # (t=0, i=1), (t=1, i=0), (t=2, i=0)
+
+
+def test_flat_packed_row_reads_only_its_masked_positions():
+    """A flat packed row (pair trees, block-diagonal attention): the final layer's attention queries,
+    output projection and MLP run on the loss-masked positions only; outputs there and gradients equal."""
+    from aligner.algorithms.preference import build_policy
+    from aligner.config.schema import ModelConfig
+    from aligner.data.packing import build_micro_batches
+    from aligner.models.sdpa_attention import BlockDiagonalMask
+    from omegaconf import OmegaConf
+
+    _gpt("lm")  # process group
+    torch.manual_seed(12)
+    gpt = build_policy(OmegaConf.structured(ModelConfig), 300)
+    g = torch.Generator().manual_seed(5)
+    pairs = []
+    for _ in range(3):
+        prompt = torch.randint(3, 300, (4,), generator=g).tolist()
+        pairs.append([(prompt + torch.randint(3, 300, (n,), generator=g).tolist(), [0] * 4 + [1] * n) for n in (5, 3)])
+    group = [p[0] for p in pairs] + [p[1] for p in pairs]
+    (batch,), length = build_micro_batches([group], 0, packed=True, capacity=12, pairs=True, flat=True)
+    assert len(batch["blocks"]) > 2  # several attention blocks
+    mask = BlockDiagonalMask.from_tree(batch["segments"], batch["parents"], batch["blocks"])
+    positions = batch["position_ids"].unsqueeze(0).expand(3, -1, -1)
+    loss_mask = batch["loss_mask"]
+    weights = torch.randn(1, length, 1, generator=g)
+    core = gpt.decoder.layers[-1].self_attention.core_attention
+    attended = []
+    handle = core.register_forward_hook(lambda module, args, out: attended.append(out.shape[0]))
+
+    def run(rows):
+        gpt.zero_grad(set_to_none=True)
+        with read_only(gpt, rows) if rows is not None else torch.enable_grad():
+            out = gpt(batch["tokens"], positions, mask)
+        (out * weights * loss_mask[..., None]).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in gpt.named_parameters()}
+
+    try:
+        full, full_grads = run(None)
+        part, part_grads = run(masked_rows(loss_mask))
+    finally:
+        handle.remove()
+    assert attended == [length, int(loss_mask.sum())]
+    read = loss_mask.bool()
+    assert torch.allclose(part[read], full[read], atol=1e-6, rtol=1e-5)
+    for name, grad in full_grads.items():
+        assert torch.allclose(part_grads[name], grad, atol=1e-6, rtol=1e-5), name

@@ -1,17 +1,20 @@
-"""Run the final layer's MLP only on the positions whose output is read.
+"""Compute the final layer only at the positions whose output is read.
 
 A training loss reads the model's output at some positions only: a reward model at one position per
 sequence (its last token), a language-model loss at the positions that have a label in its loss mask.
-Every earlier layer is needed everywhere (attention reads all keys and values), but the final
-layer's MLP is position-wise, so its result at an unread position is never used. `read_only(model,
-rows)` leaves it out there: the MLP runs on the read rows only and adds zero elsewhere, so those
-positions' outputs are meaningless but finite, and the loss, which masks them out, and every
-gradient are unchanged. On the tiny reward model of bench/preference_vs_trl.py (4 layers) the final
-MLP is ~19% of the matrix products of a step.
+Every earlier layer is needed everywhere (attention reads all keys and values), but in the final
+layer only the queries, the attention output projection and the MLP of the read positions matter.
+`read_only(model, rows)` leaves the rest out: the final MLP runs on the read rows only and, in a
+flat packed row (`aligner.models.sdpa_attention.BlockDiagonalMask`), so do the attention queries
+and the output projection; the other positions get a zero update there, so their outputs are
+meaningless but finite, and the loss, which masks them out, and every gradient are unchanged. On the
+tiny reward model of bench/preference_vs_trl.py (4 layers) the final layer without its keys and
+values is ~23% of the matrix products of a step.
 
-Left alone (the MLP runs everywhere): sequence parallelism (the MLP's input is split along the
-sequence and gathered inside it), a recomputed MLP or layer (its forward runs again in the backward
-pass), mixture-of-experts layers, and pipeline stages without the final layer.
+Left alone (computed everywhere): sequence parallelism (the layer's input is split along the
+sequence), recomputed layers or MLPs (their forward runs again in the backward pass), mixture-of-
+experts layers, pipeline stages without the final layer; and the attention of padded rows (b > 1)
+or of other attention modules (context parallelism, Transformer Engine).
 """
 from __future__ import annotations
 
@@ -20,8 +23,8 @@ import contextlib
 import torch
 
 
-def final_mlp(gpt):
-    """The final layer's dense MLP when `read_only` may skip positions in it, else None."""
+def final_layer(gpt):
+    """The final transformer layer when `read_only` may skip positions in it, else None."""
     from megatron.core.transformer.mlp import MLP
 
     config = gpt.config
@@ -30,40 +33,61 @@ def final_mlp(gpt):
     layer = gpt.decoder.layers[-1]
     if getattr(layer, "recompute_mlp", False) or not isinstance(layer.mlp, MLP):  # not MoE
         return None
-    return layer.mlp
+    return layer
+
+
+def _scatter(out: torch.Tensor, rows: torch.Tensor, shape) -> torch.Tensor:
+    """[n, 1, width] results of the read rows -> [s, b, width], zeros elsewhere."""
+    s, b, width = shape
+    return out.new_zeros(s * b, width).index_copy(0, rows, out.reshape(-1, width)).view(s, b, width)
 
 
 @contextlib.contextmanager
 def read_only(model, rows: torch.Tensor):
-    """Within the block, forwards of `model` (a GPTModel, possibly wrapped) run its final MLP only on
-    `rows`: indices into the [s * b] positions of megatron's [s, b, hidden] layout (position t of
-    batch row i is t * b + i)."""
+    """Within the block, forwards of `model` (a GPTModel, possibly wrapped) compute its final layer
+    only at `rows` where they can (see the module doc): indices into the [s * b] positions of
+    megatron's [s, b, hidden] layout (position t of batch row i is t * b + i), ascending."""
     from aligner.models.checkpoint import unwrap
+    from aligner.models.sdpa_attention import FusedCoreAttention
 
-    mlp = final_mlp(unwrap(model))
-    if mlp is None:
+    layer = final_layer(unwrap(model))
+    if layer is None:
         yield
         return
-    shape = {}
+    shapes = {}
 
-    def select(module, args, kwargs):
+    def record(name):
+        def hook(module, args, kwargs):
+            shapes[name] = args[0].shape if args else kwargs["hidden_states"].shape
+        return hook
+
+    def select_mlp_rows(module, args, kwargs):
+        record("mlp")(module, args, kwargs)
         hidden = args[0]
-        shape["full"] = hidden.shape
         return (hidden.reshape(-1, hidden.shape[-1])[rows].unsqueeze(1), *args[1:]), kwargs
 
-    def scatter(module, args, kwargs, output):
-        out, bias = output
-        s, b, width = shape["full"]
-        full = out.new_zeros(s * b, width).index_copy(0, rows, out.squeeze(1))
-        return full.view(s, b, width), bias
+    def scatter(name):
+        def hook(module, args, kwargs, output):
+            out, bias = output
+            if out.shape[0] * out.shape[1] == shapes[name][0] * shapes[name][1]:
+                return output  # every row computed (the attention did not select)
+            return _scatter(out, rows, (*shapes[name][:2], out.shape[-1])), bias
+        return hook
 
-    handles = [mlp.register_forward_pre_hook(select, with_kwargs=True),
-               mlp.register_forward_hook(scatter, with_kwargs=True)]
+    attention, core = layer.self_attention, getattr(layer.self_attention, "core_attention", None)
+    handles = [layer.mlp.register_forward_pre_hook(select_mlp_rows, with_kwargs=True),
+               layer.mlp.register_forward_hook(scatter("mlp"), with_kwargs=True),
+               attention.register_forward_pre_hook(record("attention"), with_kwargs=True),
+               attention.register_forward_hook(scatter("attention"), with_kwargs=True)]
+    if isinstance(core, FusedCoreAttention):
+        core.read_rows = rows.tolist()
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if isinstance(core, FusedCoreAttention):
+            core.read_rows = None
 
 
 def masked_rows(loss_mask: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ Transformer-Engine spec (TE has its own fused attention).
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,9 @@ class FusedCoreAttention(MegatronModule):
     def __init__(self, config, softmax_scale: float | None = None):
         super().__init__(config=config)
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        # Set by `aligner.models.read_positions.read_only` on the final layer: the positions of a flat
+        # packed row whose output is read. Only their queries are then attended (one output row each).
+        self.read_rows: list[int] | None = None
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
@@ -59,8 +63,21 @@ class FusedCoreAttention(MegatronModule):
             # split, not slices: its backward is one concatenation, where each slice's would be a
             # zero-filled full-length gradient to add up
             blocks = zip(*(x.split(sizes) for x in (query, key, value)), attention_mask.allowed)
+            if self.read_rows is not None and query.shape[1] == 1:
+                return self._attend_read_rows(blocks, bounds)
             return torch.cat([self._attend(q, k, v, allowed) for q, k, v, allowed in blocks])
         return self._attend(query, key, value, None if attention_mask is None else ~attention_mask)
+
+    def _attend_read_rows(self, blocks, bounds):
+        """The flat row's attention at the positions `read_rows` only -> [len(read_rows), 1, heads * d]."""
+        rows, outputs = self.read_rows, []
+        for (q, k, v, allowed), start, end in zip(blocks, bounds, bounds[1:]):
+            mine = torch.tensor(rows[bisect.bisect_left(rows, start):bisect.bisect_left(rows, end)]) - start
+            if mine.numel():
+                outputs.append(self._attend(q.index_select(0, mine), k, v, allowed[:, :, mine]))
+        if not outputs:
+            return q.new_zeros(0, 1, q.shape[2] * q.shape[3])
+        return torch.cat(outputs)
 
     def _attend(self, query, key, value, allowed):
         s, b, heads, dim = query.shape
