@@ -81,13 +81,11 @@ def layer_spec(m):
 
     if use_transformer_engine(m.transformer_impl):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    from aligner.models.swiglu import SwiGLUMLP
-
-    spec = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
-    spec.submodules.mlp.module = SwiGLUMLP
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     if m.context_parallel_size > 1:
         from aligner.models.cp_attention import AllGatherContextParallelAttention
 
+        spec = copy.deepcopy(spec)
         spec.submodules.self_attention.submodules.core_attention = AllGatherContextParallelAttention
     return spec
 
@@ -115,6 +113,10 @@ def build_gpt(m, vocab_size: int, pre_process: bool | None = None, post_process:
         rope_scaling_factor=m.rope_scaling_factor or 8.0,
     )
     model.true_vocab_size = vocab_size  # logits beyond this index are padding
+    if not use_transformer_engine(m.transformer_impl):
+        from aligner.models.swiglu import use_swiglu_mlp
+
+        use_swiglu_mlp(model)
     if torch.cuda.is_available():
         model.cuda()
     return model

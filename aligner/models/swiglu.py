@@ -1,4 +1,4 @@
-"""megatron's MLP with its SwiGLU as one autograd function (the local layer spec's MLP).
+"""megatron's MLP with its SwiGLU as one autograd function (`use_swiglu_mlp`, on the local layer spec).
 
 megatron's unfused SwiGLU (`bias_activation_fusion=False`, the only choice without torch.compile)
 is `silu(gate) * (up + glu_linear_offset)`: the offset add copies the up half even when it is 0,
@@ -51,3 +51,15 @@ class SwiGLUMLP(MLP):
         if bias is not None:
             intermediate = intermediate + bias
         return self.linear_fc2(swiglu(intermediate))
+
+
+def use_swiglu_mlp(gpt) -> int:
+    """Make every megatron `MLP` of `gpt` a `SwiGLUMLP` (a subclass adding no state: the class is
+    switched after construction, because megatron's TransformerLayer passes its process groups only to
+    layer specs naming `MLP` itself). Returns how many layers were changed."""
+    changed = 0
+    for layer in gpt.decoder.layers:
+        if type(getattr(layer, "mlp", None)) is MLP:
+            layer.mlp.__class__ = SwiGLUMLP
+            changed += 1
+    return changed
