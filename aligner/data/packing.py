@@ -178,22 +178,31 @@ def attention_blocks(bins: Sequence[Sequence[int]], length: int) -> list[int]:
 
 
 def _fill(units: list[Unit], layout: list[list[int]], rows: int, length: int, pad_id: int) -> dict:
-    fills = {"tokens": pad_id, "labels": pad_id, "sequence_index": -1, "shared_index": -1, "position_ids": 0}
-    data = {k: torch.full((rows, length), fills.get(k, 0), dtype=torch.float32 if k == "loss_mask" else torch.int64)
-            for k in KEYS}
-    for row, members in enumerate(layout):
-        at, blocks = 0, 0
-        for i in members:
-            unit = units[i]
-            span = slice(at, at + len(unit))
+    """The [rows, length] tensors of `layout` (each row's units, in order), built as Python lists and
+    converted once per key (a tensor op per unit and key cost more than the step's optimizer)."""
+    fills = {"tokens": pad_id, "labels": pad_id, "sequence_index": -1, "shared_index": -1}
+    columns = {k: [] for k in KEYS}
+    for members in layout:
+        row = {k: [] for k in KEYS}
+        blocks = 0
+        for unit in (units[i] for i in members):
             for key in KEYS:
-                values = torch.as_tensor(getattr(unit, key), dtype=data[key].dtype)
-                data[key][row, span] = values + blocks if key in ("segments", "parents") else values
+                values = getattr(unit, key)
+                row[key] += [v + blocks for v in values] if key in ("segments", "parents") else values
             blocks += max(unit.segments) + 1
-            at += len(unit)
-        data["segments"][row, at:] = data["parents"][row, at:] = blocks  # padding: one block of its own
-        data["position_ids"][row, at:] = torch.arange(length - at)
-    return data
+        pad = length - len(row["tokens"])
+        for key in KEYS:
+            if key in ("segments", "parents"):
+                tail = [blocks] * pad  # padding: one block of its own
+            elif key == "position_ids":
+                tail = list(range(pad))
+            else:
+                tail = [fills.get(key, 0)] * pad
+            columns[key].append(row[key] + tail)
+    for _ in range(rows - len(layout)):  # empty rows: padding only
+        for key in KEYS:
+            columns[key].append([fills.get(key, 0)] * length)
+    return {k: torch.tensor(v, dtype=torch.float32 if k == "loss_mask" else torch.int64) for k, v in columns.items()}
 
 
 def tree_attention_mask(segments: torch.Tensor, parents: torch.Tensor,
