@@ -59,36 +59,34 @@ def _forward(batch: dict, model, device):
     """Run the model on this CP rank's positions of a micro-batch; returns (output, local tensors)."""
     from megatron.core import parallel_state as ps
 
+    from aligner.models.checkpoint import unwrap
     from aligner.models.cp_attention import positions_on_rank
+    from aligner.models.sdpa_attention import all_fused
 
     if device is not None:
         batch.update({k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)})
     cp = ps.get_context_parallel_world_size()
-    positions = None
-    if cp > 1:
-        positions = positions_on_rank(batch["tokens"].shape[1], cp, ps.get_context_parallel_rank())
-        positions = positions.to(batch["tokens"].device)
-    local = {k: batch[k] if positions is None else batch[k][:, positions] for k in SEQUENCE_KEYS}
-    if batch["packed"] and "attention_mask" not in batch:  # kept for the batch's other passes (reference, policy)
-        if "blocks" in batch:  # a flat packed row (never under CP: `PreferenceTrainer` builds rows there)
-            from aligner.models.sdpa_attention import BlockDiagonalMask
-
-            batch["attention_mask"] = BlockDiagonalMask.from_tree(batch["segments"], batch["parents"], batch["blocks"])
-        else:
-            batch["attention_mask"] = tree_attention_mask(batch["segments"], batch["parents"], positions)
-    mask = batch.get("attention_mask")
-    # whole-row positions, one set per rotary section (see `with_token_positions`); megatron slices them for CP
-    position_ids = batch["position_ids"].unsqueeze(0).expand(3, -1, -1)
     # With torch's fused attention in every layer and no CP the forward passes no CUDA literals; megatron's
     # own attention builds its causal mask on "cuda", and with CP its rotary code pins memory (P8).
-    from aligner.models.checkpoint import unwrap
-    from aligner.models.sdpa_attention import all_fused
+    with cpu_shims.without_literal_rewrites() if cp == 1 and all_fused(unwrap(model)) else contextlib.nullcontext():
+        positions = None
+        if cp > 1:
+            positions = positions_on_rank(batch["tokens"].shape[1], cp, ps.get_context_parallel_rank())
+            positions = positions.to(batch["tokens"].device)
+        local = {k: batch[k] if positions is None else batch[k][:, positions] for k in SEQUENCE_KEYS}
+        if batch["packed"] and "attention_mask" not in batch:  # kept for the batch's other passes (reference, policy)
+            if "blocks" in batch:  # a flat packed row (never under CP: `PreferenceTrainer` builds rows there)
+                from aligner.models.sdpa_attention import BlockDiagonalMask
 
-    literal_free = cp == 1 and all_fused(unwrap(model))
-    # the losses read the output only where the loss mask is set (`_sequence_sums`)
-    with cpu_shims.without_literal_rewrites() if literal_free else contextlib.nullcontext(), \
-            read_only(model, masked_rows(local["loss_mask"])):
-        return model(local["tokens"], position_ids, mask), local
+                batch["attention_mask"] = BlockDiagonalMask.from_tree(batch["segments"], batch["parents"],
+                                                                      batch["blocks"])
+            else:
+                batch["attention_mask"] = tree_attention_mask(batch["segments"], batch["parents"], positions)
+        # whole-row positions, one set per rotary section (see `with_token_positions`); megatron slices them for CP
+        position_ids = batch["position_ids"].unsqueeze(0).expand(3, -1, -1)
+        # the losses read the output only where the loss mask is set (`_sequence_sums`)
+        with read_only(model, masked_rows(local["loss_mask"])):
+            return model(local["tokens"], position_ids, batch.get("attention_mask")), local
 
 
 def label_logprobs(vocab_size: int) -> PositionValues:
