@@ -72,7 +72,8 @@ class FusedCoreAttention(MegatronModule):
         """The flat row's attention at the positions `read_rows` only -> [len(read_rows), 1, heads * d]."""
         rows, outputs = self.read_rows, []
         for (q, k, v, allowed), start, end in zip(blocks, bounds, bounds[1:]):
-            mine = torch.tensor(rows[bisect.bisect_left(rows, start):bisect.bisect_left(rows, end)]) - start
+            mine = rows[bisect.bisect_left(rows, start):bisect.bisect_left(rows, end)]
+            mine = torch.tensor(mine, device=q.device) - start
             if mine.numel():
                 outputs.append(self._attend(q.index_select(0, mine), k, v, allowed[:, :, mine]))
         if not outputs:
