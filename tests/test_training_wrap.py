@@ -17,8 +17,8 @@ def test_cpu_optimizer_is_fused_and_matches_per_op_adamw():
     gpt = build_gpt(OmegaConf.structured(ModelConfig), 300)
     reference = {n: torch.nn.Parameter(p.detach().clone()) for n, p in gpt.named_parameters()}
     initial = {n: p.detach().clone() for n, p in gpt.named_parameters()}
-    optim_cfg = OmegaConf.structured(OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, scheduler="constant", decay_steps=10,
-                                                 warmup_steps=0))
+    optim_cfg = OmegaConf.structured(OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, scheduler="constant",
+                                                 decay_steps=10, warmup_steps=0))
     ddp, optimizer, scheduler = wrap_for_training(gpt, OmegaConf.structured(ModelConfig), optim_cfg)
     inner = optimizer.optimizer
     assert all(group["fused"] for group in inner.param_groups)

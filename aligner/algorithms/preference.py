@@ -61,7 +61,7 @@ def _forward(batch: dict, model, device):
 
     from aligner.models.checkpoint import unwrap
     from aligner.models.cp_attention import positions_on_rank
-    from aligner.models.sdpa_attention import all_fused
+    from aligner.models.sdpa_attention import BlockDiagonalMask, all_fused
 
     if device is not None:
         batch.update({k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)})
@@ -76,8 +76,6 @@ def _forward(batch: dict, model, device):
         local = {k: batch[k] if positions is None else batch[k][:, positions] for k in SEQUENCE_KEYS}
         if batch["packed"] and "attention_mask" not in batch:  # kept for the batch's other passes (reference, policy)
             if "blocks" in batch:  # a flat packed row (never under CP: `PreferenceTrainer` builds rows there)
-                from aligner.models.sdpa_attention import BlockDiagonalMask
-
                 batch["attention_mask"] = BlockDiagonalMask.from_tree(batch["segments"], batch["parents"],
                                                                       batch["blocks"])
             else:

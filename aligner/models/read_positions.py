@@ -56,14 +56,12 @@ def read_only(model, rows: torch.Tensor):
         return
     shapes = {}
 
-    def record(name):
-        def hook(module, args, kwargs):
-            shapes[name] = args[0].shape if args else kwargs["hidden_states"].shape
-        return hook
+    def record_attention_input(module, args, kwargs):
+        shapes["attention"] = args[0].shape if args else kwargs["hidden_states"].shape
 
     def select_mlp_rows(module, args, kwargs):
-        record("mlp")(module, args, kwargs)
-        hidden = args[0]
+        hidden = args[0]  # megatron passes the MLP's input positionally
+        shapes["mlp"] = hidden.shape
         return (hidden.reshape(-1, hidden.shape[-1])[rows].unsqueeze(1), *args[1:]), kwargs
 
     def scatter(name):
@@ -77,7 +75,7 @@ def read_only(model, rows: torch.Tensor):
     attention, core = layer.self_attention, getattr(layer.self_attention, "core_attention", None)
     handles = [layer.mlp.register_forward_pre_hook(select_mlp_rows, with_kwargs=True),
                layer.mlp.register_forward_hook(scatter("mlp"), with_kwargs=True),
-               attention.register_forward_pre_hook(record("attention"), with_kwargs=True),
+               attention.register_forward_pre_hook(record_attention_input, with_kwargs=True),
                attention.register_forward_hook(scatter("attention"), with_kwargs=True)]
     if isinstance(core, FusedCoreAttention):
         core.read_rows = rows.tolist()
