@@ -32,7 +32,8 @@ def train(algorithm: str, overrides: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from aligner.config import ConfigError, load_config
-    from aligner.launch.local import RankFailed, launch
+    from aligner.launch.local import RankFailed, RanksPreempted, launch
+    from aligner.runtime.preemption import EXIT_PREEMPTED, Preempted
 
     if algorithm not in TRAINERS:
         print(f"aligner train: unknown algorithm '{algorithm}'; expected one of {sorted(TRAINERS)}", file=sys.stderr)
@@ -50,14 +51,18 @@ def train(algorithm: str, overrides: list[str]) -> int:
         OmegaConf.save(cfg, config_path)
     module = TRAINERS[algorithm]
     # torchrun / srun started every rank, or a single rank: run here with the config composed above.
-    if _under_external_launcher() or cfg.launcher.nproc_per_node == 1:
-        import importlib
-
-        importlib.import_module(module).run(cfg)
-        return 0
+    # A run stopped on SIGUSR1 (runtime/preemption.py) exits with EXIT_PREEMPTED: slurm/train.sbatch requeues it.
     try:
-        launch(f"{module}:main", [str(config_path)], cfg.launcher.nproc_per_node, run_dir / "logs",
-               cfg.launcher.master_port, cfg.launcher.threads_per_rank)
+        if _under_external_launcher() or cfg.launcher.nproc_per_node == 1:
+            import importlib
+
+            importlib.import_module(module).run(cfg)
+        else:
+            launch(f"{module}:main", [str(config_path)], cfg.launcher.nproc_per_node, run_dir / "logs",
+                   cfg.launcher.master_port, cfg.launcher.threads_per_rank)
+    except (Preempted, RanksPreempted) as e:
+        print(f"aligner train {algorithm}: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except RankFailed as e:
         print(f"aligner train {algorithm}: {e}", file=sys.stderr)
         return 1

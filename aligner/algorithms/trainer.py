@@ -1,5 +1,6 @@
 """The shared trainer loop: global batch -> micro-batches -> megatron schedule -> optimizer step,
-with validation, checkpoint cadence, automatic resume and metrics.
+with validation, checkpoint cadence, automatic resume, a clean stop on SIGUSR1 (runtime/preemption.py)
+and metrics.
 
 An algorithm plugs in three things and the loop does not know which loss it optimises:
 * a dataset (a sequence of samples),
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from aligner.models import checkpoint
 from aligner.observe.metrics import MetricsLog, Progress
+from aligner.runtime import preemption
 from aligner.runtime.seeding import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -183,8 +185,19 @@ class Trainer:
             if t.save_interval and self.step % t.save_interval == 0:
                 self.save()
                 saved_at = self.step
+            if self.step < t.max_steps and preemption.stop_agreed():
+                if saved_at != self.step:
+                    self.save()
+                dist.barrier()  # no rank exits (and gets its peers killed) before the checkpoint is complete
+                preemption.shield_exit()
+                self._close(progress, metrics_log)
+                raise preemption.Preempted(self.step)
         if t.save_last and saved_at != self.step:
             self.save()
+        self._close(progress, metrics_log)
+
+    @staticmethod
+    def _close(progress, metrics_log) -> None:
         progress.close()
         if metrics_log is not None:
             metrics_log.close()

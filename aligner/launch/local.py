@@ -4,6 +4,8 @@ Each rank runs `python -m aligner.launch.worker <module:function> <args...>` wit
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT variables. Rank 0 writes to our
 stdout/stderr, the others to `<log_dir>/rank_<r>.log`. When a rank fails, the others are
 stopped and that rank's traceback is printed, so the user sees the first real error.
+SIGUSR1 (a request to stop at a checkpoint, runtime/preemption.py) is passed on to every rank; ranks
+that stop that way exit with EXIT_PREEMPTED, and `launch` then raises `RanksPreempted`.
 """
 from __future__ import annotations
 
@@ -17,10 +19,15 @@ import time
 from pathlib import Path
 
 from aligner.runtime.distributed import free_port
+from aligner.runtime.preemption import EXIT_PREEMPTED, STOP_SIGNAL
 
 
 class RankFailed(RuntimeError):
     pass
+
+
+class RanksPreempted(RuntimeError):
+    """Every rank stopped at a checkpoint on SIGUSR1 (exit code EXIT_PREEMPTED)."""
 
 
 def _rank_env(rank: int, world: int, port: int, threads: int, error_file: Path) -> dict:
@@ -64,25 +71,34 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
         procs.append(subprocess.Popen(cmd, env=_rank_env(rank, nproc, port, threads_per_rank, error_file),
                                       stdout=out, stderr=subprocess.STDOUT if out else None))
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, STOP_SIGNAL)}
 
     def forward(signum, frame):
         _stop(procs)
         raise KeyboardInterrupt(f"signal {signum}")
 
-    for s in previous:
-        signal.signal(s, forward)
+    def pass_on(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(STOP_SIGNAL, pass_on)
+    finished = (None, 0, EXIT_PREEMPTED)  # running, done, or stopped at a checkpoint with the others
     try:
         failed = None
         while failed is None and any(p.poll() is None for p in procs):
-            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            failed = next((r for r, p in enumerate(procs) if p.poll() not in finished), None)
             time.sleep(0.05)
         if failed is None:
-            failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+            failed = next((r for r, p in enumerate(procs) if p.returncode not in (0, EXIT_PREEMPTED)), None)
         if failed is not None:
             time.sleep(0.5)  # let sibling failures land, then stop the rest
             _stop(procs)
             raise RankFailed(_failure_report(failed, procs[failed].returncode, log_dir))
+        if any(p.returncode == EXIT_PREEMPTED for p in procs):
+            raise RanksPreempted(f"{nproc} ranks stopped at a checkpoint on SIGUSR1; resume with the same run_dir")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

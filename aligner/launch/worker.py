@@ -1,6 +1,7 @@
 """One rank started by the embedded launcher: `python -m aligner.launch.worker module:function args...`.
 
-A failure's traceback goes to $ALIGNER_ERROR_FILE so that the launcher can report it."""
+A failure's traceback goes to $ALIGNER_ERROR_FILE so that the launcher can report it. A rank that
+stopped at a checkpoint on request (`preemption.Preempted`) is no failure: it exits with its code."""
 from __future__ import annotations
 
 import importlib
@@ -11,11 +12,15 @@ import traceback
 
 def main(argv: list[str]) -> int:
     from aligner.observe.logs import silence_expected_warnings
+    from aligner.runtime.preemption import Preempted
 
     silence_expected_warnings()
     module, function = argv[0].split(":")
     try:
         getattr(importlib.import_module(module), function)(argv[1:])
+    except Preempted as e:
+        print(e, file=sys.stderr, flush=True)
+        return e.code
     except BaseException as e:  # noqa: BLE001 - report everything, then fail
         if isinstance(e, SystemExit) and not e.code:
             return 0

@@ -92,12 +92,15 @@ def init_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1) -> None:
 
 def start_training_rank(cfg) -> None:
     """Everything a rank of a training command sets up before it builds anything: the process
-    group, CPU threads, the model-parallel groups of `cfg.model`, per-rank logging and seeds."""
+    group, CPU threads, the model-parallel groups of `cfg.model`, per-rank logging and seeds, and the
+    SIGUSR1 handler that stops the run at a checkpoint (runtime/preemption.py)."""
     from aligner.observe.logs import configure_logging
+    from aligner.runtime import preemption
     from aligner.runtime.cpu_memory import keep_freed_memory
     from aligner.runtime.seeding import seed_everything
 
     m = cfg.model
+    preemption.install()
     init_process_group()
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.launcher.threads_per_rank)

@@ -1,0 +1,154 @@
+"""A run asked to stop with SIGUSR1 saves a checkpoint at a step every rank agrees on, exits with 75,
+and its resumed run ends exactly where an uninterrupted run ends: through the embedded launcher
+(which passes the signal on to its ranks), and under a real local Slurm cluster running
+slurm/train.sbatch unchanged (srun ranks, `scancel --signal=USR1`, the script's requeue)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aligner.data.preference import synthetic_preferences, write_jsonl
+from aligner.runtime.preemption import EXIT_PREEMPTED
+from tests.conftest import REPO, read_metrics, run_cli
+
+MAX_STEPS = 40
+COMPARED = ("loss", "accuracy", "reward/margin", "grad_norm", "lr", "consumed_samples")
+
+
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("preemption") / "prefs.jsonl"
+    write_jsonl(path, synthetic_preferences(96, seed=5, max_operand=4))
+    return path
+
+
+def dpo_args(tiny_assets, prefs, run_dir):
+    return ["dpo", f"run_dir={run_dir}", f"data.train_path={prefs}", f"tokenizer.path={tiny_assets / 'tokenizer'}",
+            "logging.progress=false", "logging.tensorboard=false", f"trainer.max_steps={MAX_STEPS}",
+            "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "optim.lr=1e-3", "dpo.beta=0.5"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_assets, prefs, tmp_path_factory):
+    """Metrics by step of the same DPO run at DP=2 (two ranks of the embedded launcher), never stopped."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = run_cli("train", *dpo_args(tiny_assets, prefs, run_dir), "launcher.nproc_per_node=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {m["step"]: m for m in read_metrics(run_dir)}
+
+
+def wait_for_step(run_dir, step: int, alive, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert alive(), "the run ended before it could be signalled"
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= step:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{run_dir} did not reach step {step} in {timeout} s")
+
+
+def assert_resumed_exactly(run_dir, stop_step: int, uninterrupted: dict) -> None:
+    assert (run_dir / "checkpoints" / f"step_{stop_step:06d}" / "aligner.json").exists()
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))  # every step once, none lost
+    for m in metrics:
+        for key in COMPARED:
+            assert m[key] == uninterrupted[m["step"]][key], (m["step"], key)
+
+
+def test_sigusr1_through_the_launcher_stops_at_a_checkpoint_and_resumes_exactly(tiny_assets, prefs, uninterrupted,
+                                                                                tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "aligner.cli", "train", *dpo_args(tiny_assets, prefs, run_dir),
+            "launcher.nproc_per_node=2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.Popen(args, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir, 3, lambda: proc.poll() is None)
+        proc.send_signal(signal.SIGUSR1)  # to the launcher only: it passes the signal on to both ranks
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "2 ranks stopped at a checkpoint on SIGUSR1" in err
+    stop_step = read_metrics(run_dir)[-1]["step"]
+    assert 3 <= stop_step < MAX_STEPS
+
+    resumed = run_cli("train", *dpo_args(tiny_assets, prefs, run_dir), "launcher.nproc_per_node=2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {stop_step}" in resumed.stderr
+    assert_resumed_exactly(run_dir, stop_step, uninterrupted)
+
+
+def test_a_single_rank_stops_the_same_way(tiny_assets, prefs, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "aligner.cli", "train", *dpo_args(tiny_assets, prefs, run_dir)],
+                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir, 2, lambda: proc.poll() is None)
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    stop_step = read_metrics(run_dir)[-1]["step"]
+    assert f"stopped on SIGUSR1 after step {stop_step}, checkpoint saved" in err
+    assert (run_dir / "checkpoints" / f"step_{stop_step:06d}" / "aligner.json").exists()
+
+
+# ------------------------------------------------------------------------------ a real Slurm cluster
+@pytest.fixture(scope="module")
+def slurm():
+    """A local Slurm cluster of 2 fake nodes (scripts/slurm_local.sh); its environment for sbatch & co."""
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm cluster needs root (scripts/slurm_local.sh)")
+    start = subprocess.run(["bash", "scripts/slurm_local.sh", "start"], cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+    assert start.returncode == 0, start.stderr
+    conf = start.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    yield {**os.environ, "SLURM_CONF": conf}
+    subprocess.run(["bash", "scripts/slurm_local.sh", "stop"], cwd=REPO, capture_output=True, timeout=120)
+
+
+def job_field(env, job: str, field: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return next((kv.split("=", 1)[1] for kv in out.split() if kv.startswith(field + "=")), "")
+
+
+def test_slurm_job_stops_on_usr1_requeues_itself_and_resumes_exactly(tiny_assets, prefs, uninterrupted, slurm,
+                                                                     tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    # aligner from this checkout's environment, as a user's job would find it on PATH
+    env = {**slurm, "PATH": f"{os.path.dirname(sys.executable)}:{slurm['PATH']}", "OMP_NUM_THREADS": "1"}
+    submit = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1",
+                             "--gpus-per-node=1", f"--output={out}", "slurm/train.sbatch",
+                             *dpo_args(tiny_assets, prefs, run_dir)],
+                            cwd=REPO, env=env, capture_output=True, text=True)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    try:
+        wait_for_step(run_dir, 3, lambda: job_field(env, job, "JobState") in ("PENDING", "RUNNING"), timeout=300)
+        signalled = subprocess.run(["scancel", "--signal=USR1", job], env=env, capture_output=True, text=True)
+        assert signalled.returncode == 0, signalled.stderr
+        deadline = time.time() + 420
+        while job_field(env, job, "JobState") != "COMPLETED" or job_field(env, job, "Restarts") != "1":
+            state = job_field(env, job, "JobState")
+            assert state in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING", "COMPLETED"), \
+                f"job {job} {state}:\n{out.read_text() if out.exists() else ''}"
+            assert time.time() < deadline, f"job {job} still {state}"
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], env=env, capture_output=True)
+    log = out.read_text()
+    assert "start 1 on node[1-2]" in log and "start 2 on node[1-2]" in log, log
+    assert "stopped at a checkpoint; requeueing job" in log, log
+    stop_step = next(int(line.rsplit("step", 1)[1].split(",")[0]) for line in log.splitlines()
+                     if "stopped on SIGUSR1 after step" in line)
+    assert 3 <= stop_step < MAX_STEPS
+    assert f"at step {stop_step}" in log
+    assert_resumed_exactly(run_dir, stop_step, uninterrupted)
