@@ -1,7 +1,7 @@
 """Stop a training run at a checkpoint when the cluster asks, so that a requeued job loses no step.
 
 The request is SIGUSR1: what `slurm/train.sbatch` has Slurm send to every rank before the time
-limit (`--signal=USR1@300`) and at preemption, and what `scancel --signal=USR1 JOB` sends by hand.
+limit (`--signal=USR1@600`) and at preemption, and what `scancel --signal=USR1 JOB` sends by hand.
 The handler only sets a flag. The trainer asks `stop_agreed()` after each optimizer step: one
 all-reduce (max) of the flag, so that every rank stops after the same step even when the signal
 reached them at different moments. The trainer then saves a checkpoint and raises `Preempted`, and
