@@ -37,12 +37,16 @@ def world(tiny_assets, tmp_path_factory):
     tokenizer = load_tokenizer(tokenizer_dir)
     texts = [f"<|user|>What is {p['question'][:-1]}?<eos><|assistant|>{p['answer']}" + " and more" * (i % 7)
              for i, p in enumerate(arithmetic_problems(40, seed=5))]
-    ports = {name: free_port_block() for name in ("reward", "reward_tp2", "critic", "verifier")}
+    # The TP=2 server's rendezvous port is drawn here too: drawn by its own launcher, it could land on
+    # a port another server of this fixture has not bound yet (seen once: the critic's HTTP port).
+    ports = {name: free_port_block() for name in ("reward", "reward_tp2", "critic", "verifier", "tp2_rendezvous")}
+    assert len({p + i for p in ports.values() for i in range(3)}) == 3 * len(ports), ports
     servers = {
         "reward": ServerProcess("reward", [f"checkpoint={rm1}", "server.max_batch_size=16"], root / "reward",
                                 port=ports["reward"]),
         "reward_tp2": ServerProcess("reward", [f"checkpoint={rm1}", "parallel.tensor_model_parallel_size=2",
-                                               "launcher.nproc_per_node=2", "server.forward_micro_batch_size=3"],
+                                               "launcher.nproc_per_node=2", "server.forward_micro_batch_size=3",
+                                               f"launcher.master_port={ports['tp2_rendezvous']}"],
                                     root / "reward_tp2", port=ports["reward_tp2"]),
         "critic": ServerProcess("critic", [f"checkpoint={rm1}", f"reward_checkpoint={rm2}",
                                            f"reward.attribute_weights=[{WEIGHTS[0]},{WEIGHTS[1]}]",
