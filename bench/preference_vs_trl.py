@@ -26,7 +26,9 @@ is appended to metrics.jsonl). With 1 thread (the default, as in the peer baseli
 configuration) CPU s/step equals the wall time of a quiet machine and hardly moves under other load,
 so the ratio is taken on it. "other cores" is the average CPU use of other processes during a run
 (/proc/stat busy time minus the run's own, over its wall time): wall times with more than ~0.3 are
-contaminated; `--repeats N` runs every case N times, interleaved, and keeps the least loaded run.
+contaminated. `--repeats N` runs every case N times in interleaved rounds. Since this shared VM's speed
+drifts within minutes, a ratio pairs each attempt with the peer's attempt of the same round (run minutes
+apart at most). The table gives the median of those paired ratios and each of them.
 """
 from __future__ import annotations
 
@@ -170,7 +172,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="leading steps left out of the timing")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each (single-process) run")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per case, interleaved; the least loaded is kept")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per case, interleaved in rounds")
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
     parser.add_argument("--out", default="runs/bench-preference")
     args = parser.parse_args()
@@ -180,7 +182,7 @@ def main() -> None:
         sys.exit(f"no TRL interpreter at {TRL_PYTHON}; create the venv (see this file's doc) or set ALIGNER_TRL_PYTHON")
     paths = prepare(out, args.threads)
     todo = {k: v for k, v in cases(paths, out).items() if not args.only or k in args.only}
-    kept: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {name: [] for name in todo}
     for attempt in range(args.repeats):
         for name, (_, _, runner) in todo.items():
             if runner[0] == "trl":
@@ -189,23 +191,29 @@ def main() -> None:
                 r = run_aligner(name, runner[1], runner[2], paths, out, args.steps, args.warmup, args.threads, attempt)
             print(f"[bench] {name} attempt {attempt}: {r['step_s']:.4f} s/step, {r['cpu_step_s']:.4f} CPU s/step, "
                   f"{r['tokens_per_s']:.0f} tok/s, other cores {r['other_cores']:.2f}", file=sys.stderr, flush=True)
-            if name not in kept or r["other_cores"] < kept[name]["other_cores"]:
-                kept[name] = r
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": kept}, indent=1))
+            runs[name].append(r)
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": runs}, indent=1))
     print(f"\nCPU, fp32, {args.threads} torch thread(s) per run, 16 pairs (32 sequences) per step, steps "
-          f"{args.warmup + 1}..{args.steps}\n")
-    print("| task | run | configuration | s/step (median) | s/step (min) | CPU s/step | tokens/step | tokens/s (CPU) | "
-          "TRL / this (CPU s/step) | TRL / this (wall) | other cores |")
+          f"{args.warmup + 1}..{args.steps}, {args.repeats} attempt(s) per run: medians over attempts; a ratio "
+          "pairs each attempt with the peer's attempt of the same round\n")
+    print("| task | run | configuration | s/step | CPU s/step | tokens/step | tokens/s (CPU) | "
+          "TRL / this (CPU s/step) | per attempt | TRL / this (wall) | other cores (max) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (task, what, _) in todo.items():
-        r = kept[name]
-        peer = kept.get("trl_dpo" if task == "dpo" else "trl_reward")
-        cpu_ratio = f"{peer['cpu_step_s'] / r['cpu_step_s']:.2f}x" if peer else "n/a"
-        wall_ratio = f"{peer['step_s'] / r['step_s']:.2f}x" if peer else "n/a"
-        print(f"| {task} | {name} | {what} | {r['step_s']:.4f} | {r['min_step_s']:.4f} | {r['cpu_step_s']:.4f} | "
-              f"{r['tokens_per_step']:.0f} | {r['tokens_per_step'] / r['cpu_step_s']:.0f} | {cpu_ratio} | "
-              f"{wall_ratio} | {r['other_cores']:.2f} |")
+        mine, peer = runs[name], runs.get("trl_dpo" if task == "dpo" else "trl_reward")
+        cpu = [p["cpu_step_s"] / r["cpu_step_s"] for p, r in zip(peer, mine)] if peer else []
+        wall = [p["step_s"] / r["step_s"] for p, r in zip(peer, mine)] if peer else []
+        per_attempt = " / ".join(f"{x:.2f}" for x in cpu) if cpu else "n/a"
 
+        def ratio(xs):
+            return f"{statistics.median(xs):.2f}x" if xs else "n/a"
+
+        def median(key):
+            return statistics.median(r[key] for r in mine)
+
+        print(f"| {task} | {name} | {what} | {median('step_s'):.4f} | {median('cpu_step_s'):.4f} | "
+              f"{median('tokens_per_step'):.0f} | {median('tokens_per_step') / median('cpu_step_s'):.0f} | "
+              f"{ratio(cpu)} | {per_attempt} | {ratio(wall)} | {max(r['other_cores'] for r in mine):.2f} |")
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,7 @@
 # A real Slurm cluster on this one machine, to run slurm/*.sbatch unchanged (tests/test_preemption.py):
 # NODES fake nodes (slurmd each) on 127.0.0.1 with 8 fake GPUs apiece, a controller and munge, all
 # under $BASE, no systemd. Needs root. Debian's slurm-wlm is installed when missing. Idempotent.
+#   bash scripts/slurm_local.sh install  # only the packages (.ci/run)
 #   bash scripts/slurm_local.sh start    # prints SLURM_CONF=<file> once every node is idle
 #   bash scripts/slurm_local.sh stop
 # Then `export SLURM_CONF=<file>` for sbatch/squeue/scontrol. Facts behind the settings (measured on
@@ -127,7 +128,8 @@ start() {
 }
 
 case "${1:-}" in
+  install) install ;;
   start) start ;;
   stop) stop ;;
-  *) die "usage: $0 start|stop" ;;
+  *) die "usage: $0 install|start|stop" ;;
 esac
