@@ -199,14 +199,15 @@ def main() -> None:
     print("| task | run | configuration | s/step | CPU s/step | tokens/step | tokens/s (CPU) | "
           "TRL / this (CPU s/step) | per attempt | TRL / this (wall) | other cores (max) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def ratio(xs):
+        return f"{statistics.median(xs):.2f}x" if xs else "n/a"
+
     for name, (task, what, _) in todo.items():
         mine, peer = runs[name], runs.get("trl_dpo" if task == "dpo" else "trl_reward")
         cpu = [p["cpu_step_s"] / r["cpu_step_s"] for p, r in zip(peer, mine)] if peer else []
         wall = [p["step_s"] / r["step_s"] for p, r in zip(peer, mine)] if peer else []
         per_attempt = " / ".join(f"{x:.2f}" for x in cpu) if cpu else "n/a"
-
-        def ratio(xs):
-            return f"{statistics.median(xs):.2f}x" if xs else "n/a"
 
         def median(key):
             return statistics.median(r[key] for r in mine)

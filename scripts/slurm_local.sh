@@ -113,7 +113,7 @@ start() {
   runuser -u munge -- munged --socket="$BASE/munge/socket" --key-file="$BASE/munge/munge.key" \
     --pid-file="$BASE/munge/munged.pid" --log-file="$BASE/munge/munged.log" --seed-file="$BASE/munge/seed" \
     </dev/null >>"$BASE/log/munged.out" 2>&1 || die "munged did not start: $(tail -3 "$BASE/munge/munged.log")"
-  cp "$BASE/munge/munged.pid" "$BASE/run/munged.pid"
+  cp "$BASE/munge/munged.pid" "$BASE/run/munged.pid"  # munged (user munge) cannot write root's run/; stop reads it there
   slurmctld -f "$CONF" </dev/null >>"$BASE/log/slurmctld.out" 2>&1
   for i in $(seq 1 "$NODES"); do
     slurmd -f "$CONF" -N "node$i" </dev/null >>"$BASE/log/slurmd.out" 2>&1

@@ -25,12 +25,22 @@ def tiny_assets(tmp_path_factory):
     return root
 
 
-def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def _cli_env(env: dict | None) -> dict:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=full_env,
+    return full_env
+
+
+def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=_cli_env(env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """`run_cli` without waiting (stdout and stderr piped, text)."""
+    return subprocess.Popen([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=_cli_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def read_metrics(run_dir) -> list[dict]:

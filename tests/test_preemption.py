@@ -12,7 +12,7 @@ import pytest
 
 from aligner.data.preference import synthetic_preferences, write_jsonl
 from aligner.runtime.preemption import EXIT_PREEMPTED
-from tests.conftest import REPO, read_metrics, run_cli
+from tests.conftest import REPO, read_metrics, run_cli, start_cli
 
 MAX_STEPS = 40
 COMPARED = ("loss", "accuracy", "reward/margin", "grad_norm", "lr", "consumed_samples")
@@ -62,11 +62,7 @@ def assert_resumed_exactly(run_dir, stop_step: int, uninterrupted: dict) -> None
 def test_sigusr1_through_the_launcher_stops_at_a_checkpoint_and_resumes_exactly(tiny_assets, prefs, uninterrupted,
                                                                                 tmp_path):
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "aligner.cli", "train", *dpo_args(tiny_assets, prefs, run_dir),
-            "launcher.nproc_per_node=2"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.Popen(args, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_cli("train", *dpo_args(tiny_assets, prefs, run_dir), "launcher.nproc_per_node=2")
     try:
         wait_for_step(run_dir, 3, lambda: proc.poll() is None)
         proc.send_signal(signal.SIGUSR1)  # to the launcher only: it passes the signal on to both ranks
@@ -86,9 +82,7 @@ def test_sigusr1_through_the_launcher_stops_at_a_checkpoint_and_resumes_exactly(
 
 def test_a_single_rank_stops_the_same_way(tiny_assets, prefs, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "aligner.cli", "train", *dpo_args(tiny_assets, prefs, run_dir)],
-                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_cli("train", *dpo_args(tiny_assets, prefs, run_dir))
     try:
         wait_for_step(run_dir, 2, lambda: proc.poll() is None)
         proc.send_signal(signal.SIGUSR1)

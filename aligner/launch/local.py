@@ -85,14 +85,14 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     signal.signal(STOP_SIGNAL, pass_on)
-    finished = (None, 0, EXIT_PREEMPTED)  # running, done, or stopped at a checkpoint with the others
+    ended_well = (0, EXIT_PREEMPTED)  # done, or stopped at a checkpoint with the others
     try:
         failed = None
         while failed is None and any(p.poll() is None for p in procs):
-            failed = next((r for r, p in enumerate(procs) if p.poll() not in finished), None)
+            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, *ended_well)), None)
             time.sleep(0.05)
         if failed is None:
-            failed = next((r for r, p in enumerate(procs) if p.returncode not in (0, EXIT_PREEMPTED)), None)
+            failed = next((r for r, p in enumerate(procs) if p.returncode not in ended_well), None)
         if failed is not None:
             time.sleep(0.5)  # let sibling failures land, then stop the rest
             _stop(procs)
