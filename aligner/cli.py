@@ -149,7 +149,8 @@ SERVERS = {"reward": "aligner.servers.reward_server", "critic": "aligner.servers
 
 def serve(argv: list[str]) -> int:
     """`aligner serve <kind> [overrides]`: one process, or the launcher's ranks for a parallel model.
-    Runs until SIGTERM/SIGINT."""
+    Runs until SIGTERM/SIGINT; SIGUSR1 (Slurm's time-limit warning for training ranks) is caught and
+    ignored."""
     import importlib
 
     from omegaconf import OmegaConf
@@ -205,10 +206,14 @@ def doctor(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("train", "serve"):  # before the heavy imports (runtime/preemption.py)
+        from aligner.runtime import preemption
+
+        preemption.install()
     from aligner.observe.logs import silence_expected_warnings
 
     silence_expected_warnings()
-    argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0

@@ -95,6 +95,34 @@ def test_a_single_rank_stops_the_same_way(tiny_assets, prefs, tmp_path):
     assert (run_dir / "checkpoints" / f"step_{stop_step:06d}" / "aligner.json").exists()
 
 
+def catches_sigusr1(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught & (1 << (signal.SIGUSR1 - 1)))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_stop_asked_while_the_run_starts_is_kept(tiny_assets, prefs, tmp_path, ranks):
+    """SIGUSR1 as soon as the CLI catches it, before torch is imported and before any rank exists:
+    the run stops after its first step, at a checkpoint (default action: the process dies)."""
+    run_dir = tmp_path / "run"
+    proc = start_cli("train", *dpo_args(tiny_assets, prefs, run_dir), f"launcher.nproc_per_node={ranks}")
+    try:
+        deadline = time.time() + 60
+        while not catches_sigusr1(proc.pid):
+            assert proc.poll() is None and time.time() < deadline, "the CLI never caught SIGUSR1"
+            time.sleep(0.002)
+        with open(f"/proc/{proc.pid}/maps") as f:
+            assert "libtorch" not in f.read()  # caught from the start, not once training is set up
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == [1]
+    assert (run_dir / "checkpoints" / "step_000001" / "aligner.json").exists()
+
+
 # ------------------------------------------------------------------------------ a real Slurm cluster
 @pytest.fixture(scope="module")
 def slurm():

@@ -7,6 +7,7 @@ keeps serving; a port clash is not mistaken for readiness; a server killed mid-t
 (never 0 rewards) and the same client works again once it is back; everything stops cleanly."""
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -111,6 +112,20 @@ def test_tp2_server_equals_tp1(world, reference):
     diff = np.abs(scores.values - reference["rm1"]).max()
     print(f"TP=2 reward server vs TP=1 in-process: max |diff| {diff:.2e}")
     assert scores.scored.all() and diff < 1e-4
+
+
+def test_sigusr1_does_not_stop_a_server(world, reference):
+    """SIGUSR1 is Slurm's time-limit warning to training ranks (slurm/train.sbatch); a server that gets
+    it, alone or through its launcher (TP=2, which passes it on to its ranks), keeps serving."""
+    before = {name: sorted(world["servers"][name].alive()) for name in ("reward", "reward_tp2")}
+    for name in before:
+        world["servers"][name].proc.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
+    for name, pids in before.items():
+        assert sorted(world["servers"][name].alive()) == pids, name
+        with reward_client(world, name) as client:
+            scores = client.score(world["sequences"]).result(timeout=60)
+        assert scores.scored.all() and np.abs(scores.values - reference["rm1"]).max() < 1e-4, name
 
 
 def test_concurrent_futures_come_back_in_order(world, reference):

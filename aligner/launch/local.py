@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from aligner.runtime.distributed import free_port
+from aligner.runtime import preemption
 from aligner.runtime.preemption import EXIT_PREEMPTED, STOP_SIGNAL
 
 
@@ -60,18 +61,6 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
     log_dir.mkdir(parents=True, exist_ok=True)
     port = master_port or free_port()
     procs, logs = [], []
-    for rank in range(nproc):
-        error_file = log_dir / f"rank_{rank}.error"
-        error_file.unlink(missing_ok=True)
-        out = None
-        if rank > 0:
-            out = open(log_dir / f"rank_{rank}.log", "w")
-            logs.append(out)
-        cmd = [sys.executable, "-m", "aligner.launch.worker", entry, *args]
-        procs.append(subprocess.Popen(cmd, env=_rank_env(rank, nproc, port, threads_per_rank, error_file),
-                                      stdout=out, stderr=subprocess.STDOUT if out else None))
-
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, STOP_SIGNAL)}
 
     def forward(signum, frame):
         _stop(procs)
@@ -82,11 +71,30 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
             if p.poll() is None:
                 p.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(STOP_SIGNAL, pass_on)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, STOP_SIGNAL)}
     ended_well = (0, EXIT_PREEMPTED)  # done, or stopped at a checkpoint with the others
     try:
+        # Ranks start with SIGUSR1 blocked (the mask survives exec) until their handler is in place, so
+        # a stop request sent to a starting rank waits for it instead of killing it.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [STOP_SIGNAL])
+        try:
+            for rank in range(nproc):
+                error_file = log_dir / f"rank_{rank}.error"
+                error_file.unlink(missing_ok=True)
+                out = None
+                if rank > 0:
+                    out = open(log_dir / f"rank_{rank}.log", "w")
+                    logs.append(out)
+                cmd = [sys.executable, "-m", "aligner.launch.worker", entry, *args]
+                procs.append(subprocess.Popen(cmd, env=_rank_env(rank, nproc, port, threads_per_rank, error_file),
+                                              stdout=out, stderr=subprocess.STDOUT if out else None))
+            signal.signal(signal.SIGTERM, forward)
+            signal.signal(signal.SIGINT, forward)
+            signal.signal(STOP_SIGNAL, pass_on)
+            if preemption.requested():  # this process was asked before its ranks existed
+                pass_on(STOP_SIGNAL, None)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a request that came meanwhile is passed on now
         failed = None
         while failed is None and any(p.poll() is None for p in procs):
             failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, *ended_well)), None)

@@ -11,14 +11,16 @@ import traceback
 
 
 def main(argv: list[str]) -> int:
+    from aligner.runtime import preemption
+
+    preemption.install()  # before the heavy imports: SIGUSR1 would kill the rank until then
     from aligner.observe.logs import silence_expected_warnings
-    from aligner.runtime.preemption import Preempted
 
     silence_expected_warnings()
     module, function = argv[0].split(":")
     try:
         getattr(importlib.import_module(module), function)(argv[1:])
-    except Preempted as e:
+    except preemption.Preempted as e:
         print(e, file=sys.stderr, flush=True)
         return e.code
     except BaseException as e:  # noqa: BLE001 - report everything, then fail

@@ -10,14 +10,17 @@ turns into `scontrol requeue`. A resumed run continues from that checkpoint.
 
 SIGTERM keeps its default meaning (stop now): Slurm sends it at the hard end of a job, when a
 checkpoint can no longer be waited for.
+
+The handler is installed first thing in `aligner train`/`aligner serve` and in every launched rank,
+before torch is imported, because SIGUSR1's default action kills the process. The embedded launcher
+starts its ranks with SIGUSR1 blocked, so that a request reaching a rank before its handler waits for
+it instead. Servers install the same handler and never read the flag: SIGUSR1 does not stop them.
+This module imports torch only when `stop_agreed` runs.
 """
 from __future__ import annotations
 
 import signal
 import threading
-
-import torch
-import torch.distributed as dist
 
 EXIT_PREEMPTED = 75
 STOP_SIGNAL = signal.SIGUSR1
@@ -37,9 +40,16 @@ class Preempted(SystemExit):
 
 
 def install() -> None:
-    """Catch SIGUSR1 in this process (from the main thread; elsewhere Python cannot install handlers)."""
+    """Catch SIGUSR1 in this process (from the main thread; elsewhere Python cannot install handlers),
+    then unblock it: a request that arrived while it was blocked (see `launch`) is taken now."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(STOP_SIGNAL, lambda signum, frame: _requested.set())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [STOP_SIGNAL])
+
+
+def requested() -> bool:
+    """Whether this process has received SIGUSR1 since `install`."""
+    return _requested.is_set()
 
 
 def shield_exit() -> None:
@@ -52,6 +62,9 @@ def shield_exit() -> None:
 
 def stop_agreed() -> bool:
     """Whether any rank has been asked to stop. Collective over the default process group."""
+    import torch
+    import torch.distributed as dist
+
     local = _requested.is_set()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
