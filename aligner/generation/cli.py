@@ -107,6 +107,7 @@ def steer(prompts: list[list[int]], attributes: str, model_dir: Path, tokenizer)
 
 def run_generation(job: dict) -> None:
     """One rank: load the checkpoint under TP x PP, generate this data-parallel rank's share, rank 0 writes."""
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -116,11 +117,14 @@ def run_generation(job: dict) -> None:
     from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
     from aligner.models.gpt import build_gpt
     from aligner.runtime import distributed
+    from aligner.runtime.cpu_memory import keep_freed_memory
     from aligner.runtime.seeding import seed_everything
 
     values, model_dir = job["values"], Path(job["model"])
     tp, pp = values["model.tensor_model_parallel_size"], values["model.pipeline_model_parallel_size"]
     distributed.init_process_group()
+    if not torch.cuda.is_available():  # as on training ranks: each batch's KV cache reuses freed pages
+        keep_freed_memory()
     distributed.init_model_parallel(tp, pp)
     seed_everything(values["sampling.seed"])
     model_cfg, vocab_size = model_config_from_checkpoint(
