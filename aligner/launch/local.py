@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 from aligner.runtime.distributed import free_port
-from aligner.runtime import preemption
-from aligner.runtime.preemption import EXIT_PREEMPTED, STOP_SIGNAL
+from aligner.runtime.preemption import EXIT_PREEMPTED, STOP_SIGNAL, requested as stop_requested
 
 
 class RankFailed(RuntimeError):
@@ -91,7 +90,7 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
             signal.signal(signal.SIGTERM, forward)
             signal.signal(signal.SIGINT, forward)
             signal.signal(STOP_SIGNAL, pass_on)
-            if preemption.requested():  # this process was asked before its ranks existed
+            if stop_requested():  # this process was asked before its ranks existed
                 pass_on(STOP_SIGNAL, None)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a request that came meanwhile is passed on now
