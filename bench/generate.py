@@ -1,7 +1,7 @@
 """Generated tokens/s: aligner's MegatronEngine vs transformers' `LlamaForCausalLM.generate` (KV cache),
 on the same weights, in the same process, at the same thread count.
 
-    python bench/generate.py [--threads 1,2] [--batches 1,8,32] [--repeats 5] [--large] [--decode auto]
+    python bench/generate.py [--threads 1,2] [--batches 1,8,32] [--repeats 5] [--large] [--decode auto] [--floor]
 
 Workload: 16-token random prompts, exactly 64 new tokens (eos banned until then on both sides:
 min_new_tokens = max_new_tokens = 64), multinomial sampling at temperature 1 with top-k/top-p off.
@@ -9,6 +9,11 @@ Time per call includes prefill; the best of `--repeats` calls (after one warm-up
 alternating) is reported.
 The tiny model is 4 layers, hidden 128, 4 heads, ffn 512, vocab 512; --large adds hidden 512,
 8 layers, 8 heads, ffn 2048.
+--floor also times, per row, a loop that runs only what no decoder can avoid in a call's decode steps:
+the matrix products of every layer and the LM head, and the attention over the KV cache (the same
+shapes, weights and cache growth as the engine's), and prints the ratio to transformers that a
+decoder costing exactly that would reach (prefill, norms, RoPE, SwiGLU, cache writes and sampling
+excluded). It says how much of the gap is left to anything but faster kernels.
 """
 from __future__ import annotations
 
@@ -94,7 +99,44 @@ def best_times(fns, repeats: int) -> list[float]:
     return best
 
 
-def run_model(name: str, batches: list[int], repeats: int, decode: str, threads: list[int]) -> list[tuple]:
+def decode_floor(gpt, batch: int):
+    """A function running the decode steps of one call (slots PROMPT_LEN .. PROMPT_LEN + NEW_TOKENS - 1)
+    with only their matrix products and attention (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from aligner.generation.lean_decode import LeanDecoder
+    from aligner.generation.parallel import StageLayout
+
+    layout, c = StageLayout.current(), gpt.config
+    weight = next(gpt.parameters())
+    like = dict(dtype=weight.dtype, device=weight.device)
+
+    def run():
+        with torch.inference_mode(), torch.DisableTorchFunction():
+            decoder = LeanDecoder(gpt, layout, batch, PROMPT_LEN + NEW_TOKENS)
+            x = torch.randn(batch, c.hidden_size, **like)
+            mlp_in = torch.randn(batch, c.ffn_hidden_size, **like)
+            q = torch.randn(batch * decoder.groups, decoder.heads_per_group, decoder.head_dim, **like)
+            decoder.bias[:PROMPT_LEN] = 0.0  # the prompt's slots
+            for slot in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS):
+                capacity = decoder.cache[0][0].shape[2]
+                if slot >= capacity:
+                    decoder._grow(min(decoder.max_seq, max(slot + 1, 2 * capacity)))
+                decoder.bias[slot] = 0.0
+                bias = decoder.bias.expand(batch * decoder.groups, decoder.heads_per_group, -1)
+                for p, (keys, values) in zip(decoder.layers, decoder.flat):
+                    F.linear(x, p["qkv"])
+                    torch.bmm(torch.baddbmm(bias, q, keys.transpose(1, 2)).softmax(-1), values)
+                    torch.addmm(x, x, p["proj"].t())
+                    F.linear(x, p["fc1"])
+                    torch.addmm(x, mlp_in, p["fc2"].t())
+                F.linear(x, decoder.output_weight)
+    return run
+
+
+def run_model(name: str, batches: list[int], repeats: int, decode: str, threads: list[int],
+              floor: bool = False) -> list[tuple]:
     import torch
 
     from aligner.generation.megatron_engine import MegatronEngine
@@ -111,9 +153,13 @@ def run_model(name: str, batches: list[int], repeats: int, decode: str, threads:
         prompts = torch.randint(2, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(batch))
         hf_prompts = prompts.to(hf.device)
 
+        split = {}
+
         def ours():
             out = engine.generate(prompts.tolist(), params)
             assert int(out.response_lengths.min()) == NEW_TOKENS
+            if out.info["decode_s"] < split.get("decode_s", float("inf")):
+                split.update(out.info)
 
         def theirs():
             with torch.inference_mode():
@@ -125,11 +171,18 @@ def run_model(name: str, batches: list[int], repeats: int, decode: str, threads:
                 torch.cuda.synchronize()
 
         tokens = batch * NEW_TOKENS
-        t_ours, t_hf = best_times([ours, theirs], repeats)
+        fns = [ours, theirs] + ([decode_floor(gpt, batch)] if floor and engine.decode == "lean" else [])
+        t_ours, t_hf, *t_floor = best_times(fns, repeats)
         rows.append((name, n_threads, batch, tokens / t_ours, tokens / t_hf))
         print(f"  {n_threads} thread(s), batch {batch:3d}: aligner {tokens / t_ours:8.0f} tok/s   "
               f"transformers {tokens / t_hf:8.0f} tok/s   "
               f"ratio {t_hf / t_ours:5.2f}x", flush=True)
+        if t_floor:
+            steps = NEW_TOKENS - 1  # decode steps after the prefill
+            print(f"      aligner: prefill {split['prefill_s'] * 1e3:.1f} ms, decode "
+                  f"{split['decode_s'] / steps * 1e3:.2f} ms/step; floor (matrix products + attention only) "
+                  f"{t_floor[0] / steps * 1e3:.2f} ms/step; transformers / (prefill + floor) "
+                  f"{t_hf / (split['prefill_s'] + t_floor[0]):.2f}x", flush=True)
     return rows
 
 
@@ -140,6 +193,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--large", action="store_true", help="also the hidden-512, 8-layer model")
     parser.add_argument("--decode", default="auto", choices=["auto", "lean", "megatron"])
+    parser.add_argument("--floor", action="store_true", help="also time the matrix-products-and-attention floor")
     args = parser.parse_args(argv)
     threads = [int(n) for n in args.threads.split(",")]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(threads)))
@@ -154,9 +208,9 @@ def main(argv=None) -> None:
     distributed.init_model_parallel(1, 1, 1)
     seed_everything(1234)
     batches = [int(b) for b in args.batches.split(",")]
-    rows = run_model("tiny", batches, args.repeats, args.decode, threads)
+    rows = run_model("tiny", batches, args.repeats, args.decode, threads, args.floor)
     if args.large:
-        rows += run_model("large", batches, args.repeats, args.decode, threads)
+        rows += run_model("large", batches, args.repeats, args.decode, threads, args.floor)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, sampling T=1, {where}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}")
