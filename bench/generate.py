@@ -117,15 +117,17 @@ def decode_floor(gpt, batch: int):
             decoder = LeanDecoder(gpt, layout, batch, PROMPT_LEN + NEW_TOKENS)
             x = torch.randn(batch, c.hidden_size, **like)
             mlp_in = torch.randn(batch, c.ffn_hidden_size, **like)
-            q = torch.randn(batch * decoder.groups, decoder.heads_per_group, decoder.head_dim, **like)
+            dims = decoder.dims
+            q = torch.randn(batch * dims.groups, dims.heads_per_group, dims.head_dim, **like)
             decoder.bias[:PROMPT_LEN] = 0.0  # the prompt's slots
             for slot in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS):
                 capacity = decoder.cache[0][0].shape[2]
                 if slot >= capacity:
-                    decoder._grow(min(decoder.max_seq, max(slot + 1, 2 * capacity)))
+                    decoder._grow(decoder._capacity(slot + 1))
                 decoder.bias[slot] = 0.0
-                bias = decoder.bias.expand(batch * decoder.groups, decoder.heads_per_group, -1)
-                for p, (keys, values) in zip(decoder.layers, decoder.flat):
+                bias = decoder.bias.expand(batch * dims.groups, dims.heads_per_group, -1)
+                for p, cache in zip(decoder.layers, decoder.cache):
+                    keys, values = (t.view(-1, *t.shape[2:]) for t in cache)  # [B * G, C, D]
                     F.linear(x, p["qkv"])
                     torch.bmm(torch.baddbmm(bias, q, keys.transpose(1, 2)).softmax(-1), values)
                     torch.addmm(x, x, p["proj"].t())
@@ -171,7 +173,7 @@ def run_model(name: str, batches: list[int], repeats: int, decode: str, threads:
                 torch.cuda.synchronize()
 
         tokens = batch * NEW_TOKENS
-        fns = [ours, theirs] + ([decode_floor(gpt, batch)] if floor and engine.decode == "lean" else [])
+        fns = [ours, theirs] + ([decode_floor(gpt, batch)] if floor and engine.decode in ("lean", "compiled") else [])
         t_ours, t_hf, *t_floor = best_times(fns, repeats)
         rows.append((name, n_threads, batch, tokens / t_ours, tokens / t_hf))
         print(f"  {n_threads} thread(s), batch {batch:3d}: aligner {tokens / t_ours:8.0f} tok/s   "
@@ -192,7 +194,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--large", action="store_true", help="also the hidden-512, 8-layer model")
-    parser.add_argument("--decode", default="auto", choices=["auto", "lean", "megatron"])
+    parser.add_argument("--decode", default="auto", choices=["auto", "lean", "compiled", "megatron"])
     parser.add_argument("--floor", action="store_true", help="also time the matrix-products-and-attention floor")
     args = parser.parse_args(argv)
     threads = [int(n) for n in args.threads.split(",")]

@@ -110,10 +110,15 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0)
 
 
+def decode_modes(m) -> tuple[str, ...]:
+    """The decode paths a layout runs: the compiled one needs TP=1."""
+    return ("lean", "compiled", "megatron") if m.tensor_model_parallel_size == 1 else ("lean", "megatron")
+
+
 def engines(model, m, **kwargs):
     from aligner.generation.megatron_engine import MegatronEngine
 
-    return {mode: MegatronEngine(model, m, VOCAB, decode=mode, **kwargs) for mode in ("lean", "megatron")}
+    return {mode: MegatronEngine(model, m, VOCAB, decode=mode, **kwargs) for mode in decode_modes(m)}
 
 
 # ------------------------------------------------------------------------------------------ phases
@@ -152,13 +157,13 @@ def phase_tp1(workdir: Path, out: dict, ref: dict) -> None:
                                       and auto.generate(ps_, greedy).responses() == ref["greedy"]
                                       and len(auto.generate([], greedy)) == 0)
 
-    # sampling: both paths agree; engine log-probs = trainer log-probs under the filtered distribution
+    # sampling: all paths agree; engine log-probs = trainer log-probs under the filtered distribution
     for name, params in (("sampled", sampled), ("hot", hot)):
         rolls = {mode: e.generate(ps_, params) for mode, e in eng.items()}
         ref[name] = rolls["lean"].responses()
-        out[f"tp1_{name}_paths_equal"] = rolls["megatron"].responses() == ref[name]
-        out[f"tp1_{name}_paths_logprob_diff"] = max_diff(rolls["megatron"].response_logprobs(),
-                                                         rolls["lean"].response_logprobs())
+        out[f"tp1_{name}_paths_equal"] = all(r.responses() == ref[name] for r in rolls.values())
+        out[f"tp1_{name}_paths_logprob_diff"] = max(max_diff(r.response_logprobs(), rolls["lean"].response_logprobs())
+                                                    for r in rolls.values())
         out[f"tp1_{name}_vs_trainer_logprobs"] = max_diff(
             rolls["lean"].response_logprobs(), [trainer_logprobs(model, p, r, params) for p, r in zip(ps_, ref[name])])
         ref[f"{name}_logprobs"] = rolls["lean"].response_logprobs()
@@ -279,9 +284,11 @@ def train_step_checks(model, m, ps_) -> dict:
                                                                 "scheduler": "constant", "decay_steps": 10})
     ddp, optimizer, scheduler = wrap_for_training(model, m, optim)
     engine = MegatronEngine(ddp, m, VOCAB, eos_id=None)  # built on the trainer's wrapped model
+    compiled = MegatronEngine(ddp, m, VOCAB, eos_id=None, decode="compiled")  # weights are graph inputs, not constants
     greedy = SamplingParams(greedy=True, max_new_tokens=MAX_NEW)
     ddp.train()
     before = engine.generate(ps_, greedy).responses()
+    compiled_before = compiled.generate(ps_, greedy).responses()
     out = {"train_mode_restored": ddp.training and model.training}
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (4, 17), generator=g)
@@ -294,8 +301,9 @@ def train_step_checks(model, m, ps_) -> dict:
         optimizer.step()
         scheduler.step(1)
     after = engine.generate(ps_, greedy).responses()
-    out["train_generations_changed"] = after != before
-    out["train_generations_follow_weights"] = after == [recompute_greedy(model, p, MAX_NEW)[0] for p in ps_]
+    out["train_generations_changed"] = after != before and compiled_before == before
+    out["train_generations_follow_weights"] = (after == [recompute_greedy(model, p, MAX_NEW)[0] for p in ps_]
+                                               and compiled.generate(ps_, greedy).responses() == after)
     check = engine.refit_check(ddp)
     out["train_refit_check_shared"] = check["shared"] and check["bitwise"] and check["max_abs_diff"] == 0.0
     engine.refit()  # shared: a no-op
@@ -356,6 +364,12 @@ def phase_parallel(tag: str, tp: int, pp: int, out: dict, ref: dict) -> None:
     eos = ref["greedy"][0][2]
     from aligner.generation.megatron_engine import MegatronEngine
 
+    if tp > 1:
+        try:
+            MegatronEngine(model, m, VOCAB, eos_id=None, decode="compiled")
+            out[f"{tag}_compiled_refused"] = False
+        except ValueError as e:
+            out[f"{tag}_compiled_refused"] = "tensor_model_parallel_size=1" in str(e)
     roll = MegatronEngine(model, m, VOCAB, eos_id=eos).generate(ps_, greedy)
     cut = [next((i + 1 for i, t in enumerate(r) if t == eos), len(r)) for r in ref["greedy"]]
     out[f"{tag}_eos_ok"] = roll.responses() == [r[:n] for r, n in zip(ref["greedy"], cut)]

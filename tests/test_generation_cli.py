@@ -15,6 +15,11 @@ def test_overrides_parse_and_reject_unknown_keys():
         parse_overrides(["model.tensor_model_parallel_size=2"])
     with pytest.raises(UsageError, match="expected int"):
         parse_overrides(["sampling.top_k=many"])
+    assert parse_overrides(["decode=compiled"])["decode"] == "compiled" and parse_overrides([])["decode"] == "auto"
+    with pytest.raises(UsageError, match="decode=jit: expected one of auto, lean, compiled, megatron"):
+        parse_overrides(["decode=jit"])
+    with pytest.raises(UsageError, match="decode=compiled needs model.tensor_model_parallel_size=1"):
+        parse_overrides(["decode=compiled", "model.tensor_model_parallel_size=2", "launcher.nproc_per_node=2"])
 
 
 def test_generate_main_reports_usage_errors(tmp_path, capsys):

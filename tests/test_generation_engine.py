@@ -37,19 +37,23 @@ def _small(results, *keys):
     assert not large, large
 
 
+MODES = {"tp1": ("lean", "compiled", "megatron"), "tp2": ("lean", "megatron"), "pp2": ("lean", "compiled", "megatron"),
+         "tp2_sp": ("lean", "megatron")}  # decode paths per layout (compiled: TP=1 only)
+
+
 @pytest.mark.dist
 def test_greedy_matches_recompute_without_cache(results):
-    _true(results, *(f"{tag}_{mode}_greedy_equal" for tag in ("tp1", "tp2", "pp2", "tp2_sp")
-                     for mode in ("lean", "megatron")), "tp2_sp_restored")
-    _small(results, "tp1_lean_greedy_vs_recompute_logprobs", "tp1_megatron_greedy_vs_recompute_logprobs",
-           *(f"{tag}_{mode}_greedy_logprob_diff" for tag in ("tp2", "pp2") for mode in ("lean", "megatron")))
+    _true(results, *(f"{tag}_{mode}_greedy_equal" for tag, modes in MODES.items() for mode in modes),
+          "tp2_sp_restored", "tp2_compiled_refused")
+    _small(results, *(f"tp1_{mode}_greedy_vs_recompute_logprobs" for mode in MODES["tp1"]),
+           *(f"{tag}_{mode}_greedy_logprob_diff" for tag in ("tp2", "pp2") for mode in MODES[tag]))
     assert results["tp1_decode_auto"] == "lean"
     _true(results, "tp1_protocol_sleep_wake", "ranks_agree")
 
 
 @pytest.mark.dist
 def test_engine_logprobs_equal_trainer_logprobs(results):
-    _small(results, "tp1_lean_greedy_vs_trainer_logprobs", "tp1_megatron_greedy_vs_trainer_logprobs",
+    _small(results, *(f"tp1_{mode}_greedy_vs_trainer_logprobs" for mode in MODES["tp1"]),
            "tp1_sampled_vs_trainer_logprobs", "tp1_hot_vs_trainer_logprobs",
            "tp2_lean_sampled_vs_trainer_logprobs", "tp2_megatron_sampled_vs_trainer_logprobs")
 
@@ -57,9 +61,9 @@ def test_engine_logprobs_equal_trainer_logprobs(results):
 @pytest.mark.dist
 def test_sampling_same_across_decode_paths_and_layouts(results):
     _true(results, "tp1_sampled_paths_equal", "tp1_hot_paths_equal", "tp1_sampled_differs_from_greedy",
-          *(f"{tag}_{mode}_sampled_equal" for tag in ("tp2", "pp2") for mode in ("lean", "megatron")))
+          *(f"{tag}_{mode}_sampled_equal" for tag in ("tp2", "pp2") for mode in MODES[tag]))
     _small(results, "tp1_sampled_paths_logprob_diff", "tp1_hot_paths_logprob_diff",
-           *(f"{tag}_{mode}_sampled_logprob_diff" for tag in ("tp2", "pp2") for mode in ("lean", "megatron")))
+           *(f"{tag}_{mode}_sampled_logprob_diff" for tag in ("tp2", "pp2") for mode in MODES[tag]))
 
 
 @pytest.mark.dist
@@ -88,7 +92,9 @@ def test_refit_from_weight_stream(results):
 
 
 @pytest.mark.dist
-def test_cli_generate_tp2_matches_engine(results):
+@pytest.mark.parametrize("layout", [["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"],
+                                    ["decode=compiled"]], ids=["tp2", "compiled"])
+def test_cli_generate_matches_engine(results, layout):
     workdir = Path(results["_workdir"])
     out = workdir / "cli_out.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -98,7 +104,7 @@ def test_cli_generate_tp2_matches_engine(results):
     proc = subprocess.run(
         [sys.executable, "-c", code, "--model", str(workdir / "ckpt"), "--prompts", str(workdir / "cli_prompts.jsonl"),
          "--out", str(out), "sampling.temperature=0.9", "sampling.top_p=0.95", "sampling.max_new_tokens=8",
-         "sampling.seed=3", "batch_size=3", "launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"],
+         "sampling.seed=3", "batch_size=3", *layout],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -108,11 +114,12 @@ def test_cli_generate_tp2_matches_engine(results):
     assert all(isinstance(r["response"], str) and r["stop_reason"] in ("eos", "length") for r in lines)
 
 
-def test_lean_decoder_prefill_and_steps_equal_the_model_forward():
-    """LeanDecoder (one process, GQA with 2 query heads per group): its prefill and each one-token step give the
-    logits of GPTModel.forward over the whole sequence without a cache, also after its KV cache has grown past
-    its first capacity (64 slots); an engine call leaves the CPU shims'
-    TorchFunctionMode in place (megatron code run afterwards still has its "cuda" literals mapped)."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lean_decoder_prefill_and_steps_equal_the_model_forward(compiled):
+    """LeanDecoder (one process, GQA with 2 query heads per group), eager and with its decode steps compiled:
+    its prefill and each one-token step give the logits of GPTModel.forward over the whole sequence without a
+    cache, also after its KV cache has grown past its first capacity (64 slots); an engine call leaves the CPU
+    shims' TorchFunctionMode in place (megatron code run afterwards still has its "cuda" literals mapped)."""
     import torch
 
     from aligner.generation.lean_decode import LeanDecoder
@@ -129,13 +136,15 @@ def test_lean_decoder_prefill_and_steps_equal_the_model_forward():
     seq = torch.randint(0, VOCAB, (batch, prefix + steps), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         full = model(seq, torch.arange(seq.shape[1]).expand(batch, -1), None)[..., :VOCAB]
-        decoder = LeanDecoder(model, StageLayout.current(), batch, prefix + steps)
+        decoder = LeanDecoder(model, StageLayout.current(), batch, prefix + steps, compiled=compiled)
         lean = [decoder.forward(decoder.embed(seq[:, :prefix]), 0)]
         lean += [decoder.forward(decoder.embed(seq[:, t:t + 1]), t) for t in range(prefix, prefix + steps)]
         with pytest.raises(ValueError, match="only supported at slot 0"):
             decoder.forward(decoder.embed(seq[:, :2]), 3)
     lean = torch.stack(lean, 1)[..., :VOCAB]
     assert (lean - full[:, prefix - 1:]).abs().max().item() <= TOL
+    grown = 80 if compiled else prefix + steps  # from 64 to max_seq (compiled: rounded up to a multiple of 16)
+    assert [k.shape[2] for k, _ in decoder.cache] == [grown] * len(decoder.cache)
 
     MegatronEngine(model, m, VOCAB, eos_id=None).generate([[1, 2, 3]], SamplingParams(greedy=True, max_new_tokens=2))
     if not torch.cuda.is_available():

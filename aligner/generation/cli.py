@@ -27,6 +27,7 @@ OVERRIDES = {  # key -> (type, default)
     "sampling.max_new_tokens": (int, 128),
     "sampling.seed": (int, 0),
     "batch_size": (int, 32),
+    "decode": (str, "auto"),  # auto | lean | compiled | megatron (MegatronEngine's decode paths)
     "launcher.nproc_per_node": (int, 1),
     "model.tensor_model_parallel_size": (int, 1),
     "model.pipeline_model_parallel_size": (int, 1),
@@ -68,6 +69,12 @@ def parse_overrides(items: list[str]) -> dict:
         raise UsageError("batch_size, launcher.nproc_per_node and the parallel sizes must be >= 1")
     if nproc % (tp * pp):
         raise UsageError(f"launcher.nproc_per_node={nproc} is not a multiple of TP x PP = {tp} x {pp}")
+    from aligner.generation.types import DECODE_MODES
+
+    if values["decode"] not in DECODE_MODES:
+        raise UsageError(f"decode={values['decode']}: expected one of {', '.join(DECODE_MODES)}")
+    if values["decode"] == "compiled" and tp > 1:
+        raise UsageError("decode=compiled needs model.tensor_model_parallel_size=1")
     return values
 
 
@@ -143,7 +150,7 @@ def run_generation(job: dict) -> None:
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     engine = MegatronEngine(model, model_cfg, vocab_size, eos_id=eos,
                             pad_id=tokenizer.pad_token_id if tokenizer is not None else None,
-                            tokenizer=tokenizer, max_batch_size=values["batch_size"])
+                            tokenizer=tokenizer, max_batch_size=values["batch_size"], decode=values["decode"])
     rollout = engine.generate([prompts[i] for i in mine], params,
                               seeds=[rng.derive_seed(params.seed, i) for i in mine])
     records = [{"response_ids": ids, "response": tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None,

@@ -8,7 +8,9 @@ Per batch of prompts (right-padded into a slot-indexed [B, S] buffer, slot s = p
      holds a real token, positions equal slots, and no attention mask or padding is ever needed.
   Both run either megatron's forward with its `StaticInferenceContext` KV cache (`decode="megatron"`)
   or `LeanDecoder` (`decode="lean"`, the default when the model qualifies): the same maths with
-  plain torch ops on the live parameters and a preallocated cache (see lean_decode.py).
+  plain torch ops on the live parameters and a preallocated cache (see lean_decode.py);
+  `decode="compiled"` is LeanDecoder with its decode steps compiled by torch.compile (TP=1 only;
+  each new batch size or cache capacity costs a compilation, seconds, the first time).
 
 Stops: eos, `stop_token_ids`, `stop_strings` (needs `tokenizer`), `max_new_tokens`; eos and stop
 tokens are banned until `min_new_tokens`. The loop ends as soon as every sample has stopped.
@@ -34,7 +36,7 @@ from aligner.generation import rng, sampling
 from aligner.generation.lean_decode import LeanDecoder, unsupported_reason
 from aligner.generation.parallel import StageLayout
 from aligner.generation.stopping import StopStrings, extract_responses, stop_reasons, stop_token_tensor
-from aligner.generation.types import STOP_LENGTH, Rollout, SamplingParams, WeightStream
+from aligner.generation.types import DECODE_MODES, STOP_LENGTH, Rollout, SamplingParams, WeightStream
 from aligner.generation.weights import compare_weights, load_weight_stream
 from aligner.models.checkpoint import unwrap
 
@@ -47,8 +49,8 @@ class MegatronEngine:
     model_cfg: the ModelConfig it was built from; vocab_size: the true (unpadded) vocabulary size;
     eos_id: the end-of-sequence token (None: none); pad_id: fills responses past their end
     (default eos_id, else 0); tokenizer: needed for stop strings; max_batch_size: prompts per
-    forward batch; decode: "auto" | "lean" | "megatron"; shared: the model is the trainer's own
-    (refit is then a no-op and `sleep` keeps the weights in place).
+    forward batch; decode: "auto" | "lean" | "compiled" | "megatron"; shared: the model is the
+    trainer's own (refit is then a no-op and `sleep` keeps the weights in place).
     """
 
     def __init__(self, model, model_cfg, vocab_size: int, eos_id: Optional[int], pad_id: Optional[int] = None,
@@ -61,10 +63,13 @@ class MegatronEngine:
         reason = unsupported_reason(self.gpt)
         if decode == "auto":
             decode = "megatron" if reason else "lean"
-        elif decode == "lean" and reason:
-            raise ValueError(f"decode='lean' does not support this model ({reason}); use decode='megatron'")
-        elif decode not in ("lean", "megatron"):
-            raise ValueError(f"decode must be 'auto', 'lean' or 'megatron', got {decode!r}")
+        elif decode in DECODE_MODES[1:3] and reason:
+            raise ValueError(f"decode={decode!r} does not support this model ({reason}); use decode='megatron'")
+        elif decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(map(repr, DECODE_MODES))}, got {decode!r}")
+        if decode == "compiled" and model_cfg.tensor_model_parallel_size > 1:
+            raise ValueError("decode='compiled' needs tensor_model_parallel_size=1 (TP's all-reduces sit inside "
+                             "the layers); use decode='lean' under TP")
         self.decode = decode
         # Steps between checks that every sample has stopped (each check waits for the device). A few
         # wasted steps at the end are cheaper on a GPU than a sync per step; a CPU has nothing to wait for.
@@ -189,7 +194,7 @@ class MegatronEngine:
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollout:
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        layout, device, lean = self._layout, self.device, self.decode == "lean"
+        layout, device, lean = self._layout, self.device, self.decode in ("lean", "compiled")
         self._dtype = next(self.gpt.parameters()).dtype
         lengths = [len(p) for p in prompts]
         batch, shortest, longest, max_new = len(prompts), min(lengths), max(lengths), params.max_new_tokens
@@ -206,7 +211,7 @@ class MegatronEngine:
             if layout.is_sampler else None
 
         started = time.perf_counter()
-        decoder = LeanDecoder(self.gpt, layout, batch, slots) if lean else None
+        decoder = LeanDecoder(self.gpt, layout, batch, slots, compiled=self.decode == "compiled") if lean else None
         context = None if lean else StaticInferenceContext(batch, slots)
         # The lean path runs only plain torch ops: step outside any TorchFunctionMode (the CPU shims'
         # literal rewriting, runtime/cpu_shims.py), so that every op is a direct call.

@@ -23,6 +23,10 @@ STOP_STRING = "stop_string"  # the decoded response contains one of SamplingPara
 STOP_LENGTH = "length"  # max_new_tokens reached without a stop (is_end False)
 STOP_REASONS = (STOP_LENGTH, STOP_EOS, STOP_TOKEN, STOP_STRING)  # code i <-> STOP_REASONS[i]
 
+# MegatronEngine's decode paths: auto (lean when the model qualifies, else megatron), lean (plain torch
+# ops), compiled (lean with torch.compile'd decode steps, TP=1), megatron (megatron's own forward)
+DECODE_MODES = ("auto", "lean", "compiled", "megatron")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
