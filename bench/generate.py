@@ -1,12 +1,13 @@
 """Generated tokens/s: aligner's MegatronEngine vs transformers' `LlamaForCausalLM.generate` (KV cache),
 on the same weights, in the same process, at the same thread count.
 
-    python bench/generate.py [--threads 1,2] [--batches 1,8,32] [--repeats 5] [--large] [--decode auto] [--floor]
+    python bench/generate.py [--threads 1,2] [--batches 1,8,32] [--repeats 5] [--large]
+                             [--decode auto|lean|compiled|megatron] [--floor]
 
 Workload: 16-token random prompts, exactly 64 new tokens (eos banned until then on both sides:
 min_new_tokens = max_new_tokens = 64), multinomial sampling at temperature 1 with top-k/top-p off.
 Time per call includes prefill; the best of `--repeats` calls (after one warm-up call, the two sides
-alternating) is reported.
+alternating) is reported. With --decode compiled the warm-up call also compiles (not timed).
 The tiny model is 4 layers, hidden 128, 4 heads, ffn 512, vocab 512; --large adds hidden 512,
 8 layers, 8 heads, ffn 2048.
 --floor also times, per row, a loop that runs only what no decoder can avoid in a call's decode steps:
