@@ -180,13 +180,14 @@ def compiled_run_layers(device: torch.device):
         compiled = torch.compile(run_layers, fullgraph=True, dynamic=False, options=options)
         shapes = set()
 
-        def run(hidden, slots, cos, sin, bias, layers, caches, *rest):
-            shape = (hidden.shape, caches[0][0].shape, hidden.dtype, len(layers), *rest[:1])  # rest[0]: LayerDims
+        def run(hidden, slots, cos, sin, bias, layers, caches, dims, attend, project):
+            args = (hidden, slots, cos, sin, bias, layers, caches, dims, attend, project)
+            shape = (hidden.shape, caches[0][0].shape, hidden.dtype, len(layers), dims)
             if shape not in shapes and len(shapes) >= MAX_COMPILED_SHAPES:
-                return run_layers(hidden, slots, cos, sin, bias, layers, caches, *rest)
+                return run_layers(*args)
             shapes.add(shape)
             with torch._dynamo.config.patch(recompile_limit=2 * MAX_COMPILED_SHAPES):  # ours decides first
-                return compiled(hidden, slots, cos, sin, bias, layers, caches, *rest)
+                return compiled(*args)
         _compiled_layers[device.type] = run
     return _compiled_layers[device.type]
 
@@ -195,6 +196,7 @@ class LeanDecoder:
     """Decode state (KV cache + RoPE tables) of one generate call on one pipeline stage."""
 
     def __init__(self, model, layout, batch: int, max_seq: int, compiled: bool = False):
+        """compiled: decode steps through `compiled_run_layers` (TP=1; MegatronEngine checks it)."""
         c = model.config
         self.model, self.layout, self.batch = model, layout, batch
         self.dims = LayerDims(width=c.hidden_size, groups=c.num_query_groups // layout.tp,
@@ -205,8 +207,6 @@ class LeanDecoder:
         scale = c.softmax_scale if c.softmax_scale is not None else 1.0 / math.sqrt(D)
         weight = next(model.parameters())
         self.dtype, self.device = weight.dtype, weight.device
-        if compiled and layout.tp > 1:
-            raise ValueError("a compiled LeanDecoder needs TP=1")
         self.compiled_layers = compiled_run_layers(self.device) if compiled else None
         self.project = _addmm_projection if layout.tp == 1 else self._tp_projection
         emb = model.rotary_pos_emb(max_seq)[:, 0, 0, :]  # [S, rot_dim], as megatron's forward uses

@@ -63,7 +63,7 @@ class MegatronEngine:
         reason = unsupported_reason(self.gpt)
         if decode == "auto":
             decode = "megatron" if reason else "lean"
-        elif decode in DECODE_MODES[1:3] and reason:
+        elif decode in ("lean", "compiled") and reason:
             raise ValueError(f"decode={decode!r} does not support this model ({reason}); use decode='megatron'")
         elif decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(map(repr, DECODE_MODES))}, got {decode!r}")
