@@ -132,7 +132,7 @@ def label_attributes(argv: list[str]) -> int:
     parser.add_argument("--scale", type=int, default=4, help="values are rounded and clipped to [0, scale]")
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args(argv)
-    from aligner.data.steerlm import label_attributes as label
+    from aligner.algorithms.steerlm import label_attributes as label
 
     try:
         out = label(args.rm, args.data, args.out, scale=args.scale, batch_size=args.batch_size)

@@ -1,7 +1,7 @@
 """Reward-server throughput on the tiny model (4 layers, hidden 128, vocab 512), sequences of
 --length tokens: rows/s at batch 1, 8 and 64 through `aligner serve reward` (HTTP; one client
 sending requests back to back, and --clients concurrent ones whose requests the server's dynamic
-batcher may merge), against the same checkpoint run in this process (`engine.forward_rows` at
+batcher may merge), against the same checkpoint run in this process (`aligner.models.scoring.forward_rows` at
 TP=1, same torch thread count as the server's rank), and the per-request overhead: served latency
 minus in-process latency at the same batch. Server and client share this machine's cores.
 
@@ -90,8 +90,9 @@ def main() -> None:
     from types import SimpleNamespace
 
     from aligner.models.checkpoint import load_weights
+    from aligner.models.heads import last_token_scores
     from aligner.models.hf_convert import single_process
-    from aligner.servers.engine import build_scalar_model, forward_rows, last_token_head
+    from aligner.models.scoring import build_scalar_model, forward_rows
     from aligner.runtime.seeding import seed_everything
     from aligner.servers.process import ServerProcess, free_port_block
 
@@ -126,7 +127,7 @@ def main() -> None:
             model.eval()
             for b, (tokens, lengths) in batches.items():
                 t, n = torch.from_numpy(tokens), torch.from_numpy(lengths[:, 0])
-                local[b] = timed(lambda: forward_rows(model, t, n, max(BATCHES), last_token_head, (1,)), args.seconds)
+                local[b] = timed(lambda: forward_rows(model, t, n, max(BATCHES), last_token_scores, (1,)), args.seconds)
                 inputs = {"tokens": tokens, "sequence_lengths": lengths}
                 sequential[b] = served_sequential(port, inputs, args.seconds)
                 concurrent[b] = served_concurrent(port, inputs, b, args.seconds, args.clients)

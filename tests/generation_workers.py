@@ -273,8 +273,8 @@ def stop_checks(model, m, ps_, ref, workdir: Path, tag: str) -> dict:
 
 
 def train_step_checks(model, m, ps_) -> dict:
-    from aligner.algorithms.lm_step import make_forward_step, sft_loss
-    from aligner.algorithms.trainer import run_schedule
+    from aligner.algorithms.sft import sft_forward_step
+    from aligner.algorithms.training_step import forward_backward
     from aligner.config.schema import OptimConfig
     from aligner.generation.megatron_engine import MegatronEngine
     from aligner.generation.types import SamplingParams
@@ -293,11 +293,9 @@ def train_step_checks(model, m, ps_) -> dict:
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (4, 17), generator=g)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(4, 16)}
-    forward_step = make_forward_step(sft_loss, VOCAB)
+    forward_step = sft_forward_step(VOCAB)
     for _ in range(2):
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        run_schedule(ddp, forward_step, [batch], 16, forward_only=False)
+        forward_backward(ddp, optimizer, forward_step, [batch], 16)
         optimizer.step()
         scheduler.step(1)
     after = engine.generate(ps_, greedy).responses()
@@ -308,9 +306,7 @@ def train_step_checks(model, m, ps_) -> dict:
     out["train_refit_check_shared"] = check["shared"] and check["bitwise"] and check["max_abs_diff"] == 0.0
     engine.refit()  # shared: a no-op
     ddp.train()
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    run_schedule(ddp, forward_step, [batch], 16, forward_only=False)  # training still works after generate
+    forward_backward(ddp, optimizer, forward_step, [batch], 16)  # training still works after generate
     out["train_after_generate_ok"] = True
     return out
 

@@ -79,7 +79,7 @@ def parity_worker(argv: list[str]) -> None:
 
     from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
     from aligner.models.gpt import build_gpt
-    from aligner.models.scoring import run_forward
+    from aligner.models.forward_step import collect, make_forward_step, run_micro_batches
     from aligner.models.weight_stream import iter_hf_weights
     from aligner.runtime.distributed import init_model_parallel, init_process_group, shutdown
     from aligner.runtime.seeding import seed_everything
@@ -96,14 +96,16 @@ def parity_worker(argv: list[str]) -> None:
         model.eval()
         tokens = torch.load(job["tokens"])
 
-        def full_logits(logits, batch):
+        def full_logits(logits, local, batch):
             parts = [torch.empty_like(logits) for _ in range(tp)]
             dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
-            return {"logits": torch.cat(parts, dim=-1)[..., :vocab]}
+            return torch.cat(parts, dim=-1)[..., :vocab]
 
-        outputs = run_forward(model, [{"tokens": tokens}], tokens.shape[1], full_logits)
+        step = make_forward_step(lambda logits, local: logits, collect(full_logits))
+        with torch.no_grad():
+            outputs = run_micro_batches(model, step, [{"tokens": tokens}], tokens.shape[1], forward_only=True)
         if outputs and ps.get_tensor_model_parallel_rank() == 0:
-            torch.save(outputs[0]["logits"], job["out"] + ".logits.pt")
+            torch.save(outputs[0]["out"], job["out"] + ".logits.pt")
         streamed, buckets = {}, 0
         for bucket in iter_hf_weights(model, cfg, vocab, bucket_bytes=job.get("bucket_bytes", 1 << 16),
                                       all_ranks=job.get("all_ranks", False)):

@@ -64,10 +64,9 @@ def logits_forward_step(data_iterator, model):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from aligner.algorithms.lm_step import slice_for_context_parallel
+    from aligner.models.forward_step import run_model
 
-    batch = slice_for_context_parallel(next(data_iterator))
-    output = model(batch["tokens"], batch["position_ids"], None)
+    output, batch = run_model(next(data_iterator), model, None)
 
     def collect(logits):
         full = gather_from_tensor_model_parallel_region(logits)
@@ -92,8 +91,8 @@ def run(mode: str, workdir: Path, layout: dict) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from aligner.algorithms.lm_step import make_forward_step, sft_loss
-    from aligner.algorithms.trainer import run_schedule
+    from aligner.algorithms.sft import sft_forward_step
+    from aligner.algorithms.training_step import forward_backward
     from aligner.models import checkpoint
     from aligner.models.gpt import build_gpt
     from aligner.models.training import wrap_for_training
@@ -129,17 +128,14 @@ def run(mode: str, workdir: Path, layout: dict) -> None:
         logits = torch.cat([o["logits"] for o in outputs])[..., :VOCAB]
         result["logits"] = logits
     # loss and gradients of one step
-    forward_step = make_forward_step(sft_loss, VOCAB)
-    model.zero_grad_buffer()
-    sums = run_schedule(model, forward_step, micro, LENGTH, forward_only=False)
+    forward_step = sft_forward_step(VOCAB)
+    sums = forward_backward(model, optimizer, forward_step, micro, LENGTH)
     result["loss"] = sums["loss"] / sums["count"]
     result["grads"] = {global_name(n, cfg): p.main_grad.detach().clone() for n, p in gpt.named_parameters()}
     # two optimizer steps
     for step in range(STEPS):
-        if step:  # same order as Trainer.train_step; optimizer.zero_grad() drops the grad/main_grad alias
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            run_schedule(model, forward_step, micro, LENGTH, forward_only=False)
+        if step:  # same order as Trainer.train_step
+            forward_backward(model, optimizer, forward_step, micro, LENGTH)
         optimizer.step()
     result["params"] = {global_name(n, cfg): p.detach().clone() for n, p in gpt.named_parameters()}
 

@@ -63,11 +63,13 @@ def run_case(workdir: Path, tokenizer_path: str, case: str, layout: dict, mode: 
              packed: bool | None = None) -> dict:
     """Two training steps of `case` under `layout`: metrics, step-1 gradients and final parameters
     (global names, this rank's shards)."""
-    from aligner.algorithms.preference import (DPO, KTO, PreferenceFormat, PreferenceTrainer, build_policy,
-                                               make_sequence_forward_step)
+    from aligner.algorithms.preference_losses import DPO, KTO
+    from aligner.algorithms.preference_trainer import PreferenceFormat, PreferenceTrainer
+    from aligner.algorithms.sequence_logprobs import sequence_loss_step
     from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
     from aligner.data.tokenizer import load_tokenizer
     from aligner.models import checkpoint
+    from aligner.models.policy import build_policy
     from aligner.models.training import wrap_for_training
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
@@ -94,7 +96,7 @@ def run_case(workdir: Path, tokenizer_path: str, case: str, layout: dict, mode: 
         algorithm = KTO(cfg.kto)
         data = load_unpaired_dataset(cfg.data.train_path, tokenizer, max_length=m.seq_length)
     packing = {"packed": packed, "capacity": m.seq_length if packed else None}
-    trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, make_sequence_forward_step(algorithm.loss, vocab),
+    trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(algorithm.loss, vocab),
                                 data, None, PreferenceFormat(algorithm, tokenizer.pad_token_id), vocab, tokenizer,
                                 algorithm=algorithm, reference_mode=mode, packing=packing)
     trainer.resume()

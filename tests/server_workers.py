@@ -61,25 +61,25 @@ def forward_rows_rank(argv) -> None:
 
     import torch
 
-    from aligner.algorithms.reward_model import head_outputs
-    from aligner.models.checkpoint import load_weights
+    from aligner.models.checkpoint import load_weights, scalar_head_outputs
+    from aligner.models.heads import last_token_scores
+    from aligner.models.scoring import build_scalar_model, forward_rows, token_values_head
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
-    from aligner.servers.engine import build_scalar_model, forward_rows, last_token_head, token_values_head
     from aligner.servers.protocol import pad_token_rows
 
     checkpoint, tp, pp, sequences, out = argv[0], int(argv[1]), int(argv[2]), json.loads(argv[3]), argv[4]
     distributed.init_process_group()
     distributed.init_model_parallel(tp, pp)
     seed_everything(0)
-    outputs = head_outputs(checkpoint)
+    outputs = scalar_head_outputs(checkpoint)
     parallel = SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=None)
     model, _, _ = build_scalar_model(checkpoint, parallel, outputs)
     load_weights(checkpoint, model)
     model.eval()
     tokens, lengths = (torch.from_numpy(a) for a in pad_token_rows(sequences))
     lengths = lengths[:, 0]
-    rewards = forward_rows(model, tokens, lengths, 3, last_token_head, (outputs,))
+    rewards = forward_rows(model, tokens, lengths, 3, last_token_scores, (outputs,))
     values = forward_rows(model, tokens, lengths, 3, token_values_head, (tokens.shape[1],))
     if torch.distributed.get_rank() == 0:
         torch.save({"rewards": rewards, "values": values}, out)

@@ -97,7 +97,7 @@ def test_tree_attention_mask_rows_for_context_parallel():
 
 @pytest.fixture(scope="module")
 def model():
-    from aligner.algorithms.preference import build_policy
+    from aligner.models.policy import build_policy
     from aligner.config.schema import ModelConfig
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
@@ -142,9 +142,9 @@ def _run_micro_batches(step, micro, model):
 
 
 def _loss_and_grads(model, step_loss, micro):
-    from aligner.algorithms.preference import make_sequence_forward_step
+    from aligner.algorithms.sequence_logprobs import sequence_loss_step
 
-    total, grads, reports = _run_micro_batches(make_sequence_forward_step(step_loss, 300), micro, model)
+    total, grads, reports = _run_micro_batches(sequence_loss_step(step_loss, 300), micro, model)
     return total, grads, [{k: v for k, v in r.items() if k != "count"} for r in reports]
 
 
@@ -152,7 +152,7 @@ def _loss_and_grads(model, step_loss, micro):
                          ids=["rows", "flat", "flat-unit-blocks"])
 @pytest.mark.parametrize("algorithm", ["dpo", "sft"])
 def test_packed_equals_padded(model, algorithm, flat, unit_blocks, monkeypatch):
-    from aligner.algorithms.preference import DPO
+    from aligner.algorithms.preference_losses import DPO
     from aligner.config.schema import DPOConfig
     from aligner.data import packing
     from omegaconf import OmegaConf
@@ -195,7 +195,7 @@ def test_packed_equals_padded(model, algorithm, flat, unit_blocks, monkeypatch):
 @pytest.mark.parametrize("capacity", [80, 12])  # one row; a flat row of several blocks
 def test_packed_rows_do_not_see_each_other(model, capacity):
     """Changing one packed sequence leaves the log-probs of its row neighbours unchanged."""
-    from aligner.algorithms.preference import logprob_sums
+    from aligner.algorithms.sequence_logprobs import logprob_sums
 
     seqs = _sequences(4, seed=3)
     changed = list(seqs)
@@ -213,7 +213,9 @@ def test_packed_rows_do_not_see_each_other(model, capacity):
 def test_packed_reward_model_equals_padded(model, kind):  # `model`: the process group
     """Reward-model losses, reports and gradients through packed pair trees (a pair's prompt computed
     once, each reward read at its sequence's last token) equal the padded reward-model forward step."""
-    from aligner.algorithms.preference import build_policy, head_outputs, make_sequence_forward_step
+    from aligner.algorithms.sequence_logprobs import sequence_loss_step
+    from aligner.models.forward_step import head_values
+    from aligner.models.policy import build_policy
     from aligner.algorithms.reward_model import (PackedRewardObjective, PairFormat, RegressionFormat,
                                                  make_rm_forward_step)
     from aligner.config.schema import ModelConfig
@@ -246,7 +248,7 @@ def test_packed_reward_model_equals_padded(model, kind):  # `model`: the process
                                    pad_id=0, packed=True, capacity=60, pairs=kind != "regression", flat=True)
     assert micro[0]["tokens"].shape[0] == 1  # every sample in one row
     objective.annotate(None, samples, groups, micro, 0)
-    packed = _run_micro_batches(make_sequence_forward_step(objective.loss, 300, head_outputs), micro,
+    packed = _run_micro_batches(sequence_loss_step(objective.loss, 300, head_values), micro,
                                 reward_model(build_policy))
     assert packed[0] == pytest.approx(padded[0], rel=1e-5)
     for a, b in zip(padded[2], packed[2]):

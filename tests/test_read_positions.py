@@ -101,7 +101,7 @@ def test_masked_rows_are_position_major():
 def test_flat_packed_row_reads_only_its_masked_positions():
     """A flat packed row (pair trees, block-diagonal attention): the final layer's attention queries,
     output projection and MLP run on the loss-masked positions only; outputs there and gradients equal."""
-    from aligner.algorithms.preference import build_policy
+    from aligner.models.policy import build_policy
     from aligner.config.schema import ModelConfig
     from aligner.data.packing import build_micro_batches
     from aligner.models.sdpa_attention import BlockDiagonalMask

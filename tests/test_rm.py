@@ -51,13 +51,13 @@ def test_clipped_value_loss_hand_computed():
 
 
 def test_sequence_scores_read_the_last_token():
+    from aligner.models.forward_step import scores_at_row_ends
     from aligner.runtime import distributed
-    from aligner.algorithms.reward_model import sequence_scores
 
     distributed.init_process_group()
     distributed.init_model_parallel()
     values = torch.arange(12.0).view(2, 6, 1)
-    assert sequence_scores(values, torch.tensor([3, 6]), torch.arange(6)).flatten().tolist() == [2.0, 11.0]
+    assert scores_at_row_ends(values, torch.tensor([3, 6]), torch.arange(6)).flatten().tolist() == [2.0, 11.0]
 
 
 # ---- data ------------------------------------------------------------------------------------------

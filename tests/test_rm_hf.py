@@ -64,7 +64,7 @@ def imported(tmp_path_factory):
 
 def test_import_scores_match_transformers(imported):
     from aligner.models.checkpoint import read_metadata
-    from aligner.servers.engine import score_checkpoint
+    from aligner.models.scoring import score_checkpoint
 
     root, models = imported
     for name, ckpt in (("llama", "ck_llama"), ("qwen", "ck_qwen_tp2")):
@@ -106,7 +106,7 @@ def test_trained_rm_exports_as_llama_sequence_classification(tiny_assets, tmp_pa
     from aligner.models.heads import attach_scalar_head
     from aligner.models.hf_convert import mcore_to_hf, single_process
     from aligner.runtime.seeding import seed_everything
-    from aligner.servers.engine import score_checkpoint
+    from aligner.models.scoring import score_checkpoint
     from omegaconf import OmegaConf
 
     tokenizer = load_tokenizer(tiny_assets / "tokenizer")

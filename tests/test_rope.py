@@ -68,7 +68,7 @@ def test_gpt_model_unchanged(monkeypatch):
     from megatron.core.transformer import attention
     from omegaconf import OmegaConf
 
-    from aligner.algorithms.preference import build_policy
+    from aligner.models.policy import build_policy
     from aligner.config.schema import ModelConfig
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything

@@ -82,7 +82,7 @@ def world(tiny_assets, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(world):
-    from aligner.servers.engine import score_checkpoint
+    from aligner.models.scoring import score_checkpoint
 
     return {"rm1": score_checkpoint(world["rm1"], world["sequences"]).numpy(),
             "rm2": score_checkpoint(world["rm2"], world["sequences"]).numpy()}
@@ -198,7 +198,7 @@ def test_critic_infer_also_returns_rewards(world, reference):
 
 def test_critic_train_changes_values_and_save_reloads_identically(world):
     from aligner.servers.client import CriticClient
-    from aligner.servers.engine import score_checkpoint
+    from aligner.models.scoring import score_checkpoint
     from aligner.servers.protocol import pad_token_rows
 
     seqs = world["sequences"][:24]

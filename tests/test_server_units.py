@@ -167,7 +167,7 @@ def test_forward_rows_on_two_ranks_equals_one_process(tiny_assets, tmp_path, tp,
     import torch
 
     from aligner.launch.local import launch
-    from aligner.servers.engine import score_checkpoint
+    from aligner.models.scoring import score_checkpoint
     from tests.server_workers import make_reward_checkpoint
 
     ckpt = make_reward_checkpoint(tmp_path / "rm", tiny_assets / "tokenizer", 2, seed=3)

@@ -96,7 +96,7 @@ def test_label_attributes_round_and_clip_the_reward_models_scores(tiny_assets, t
     from aligner.models.heads import attach_scalar_head
     from aligner.models.hf_convert import single_process
     from aligner.runtime.seeding import seed_everything
-    from aligner.servers.engine import score_checkpoint
+    from aligner.models.scoring import score_checkpoint
 
     cfg = OmegaConf.structured(ModelConfig)
     with single_process():

@@ -1,16 +1,16 @@
 """`aligner train dpo`: DPO and its variants (sigmoid, robust, hinge, IPO, RPO) against a frozen
-reference; the machinery is in `preference.py`, the losses in `functional.py`."""
+reference; the machinery is in `preference_trainer.py`, the losses in `preference_losses.py` and `functional.py`."""
 from __future__ import annotations
+
+from aligner.algorithms.preference_losses import DPO
+from aligner.algorithms.preference_trainer import run as run_preference
+from aligner.config import load_resolved
 
 
 def main(argv: list[str]) -> None:
     """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
-    from aligner.config import load_resolved
-
     run(load_resolved(argv[0], "dpo"))
 
 
 def run(cfg) -> None:
-    from aligner.algorithms.preference import DPO, run as run_preference
-
     run_preference(cfg, DPO(cfg.dpo))

@@ -22,14 +22,23 @@ constant model scores chance), `reward/margin` = mean r_chosen - r_rejected, `re
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from aligner.algorithms import functional as F
-from aligner.algorithms.preference import PreferenceAlgorithm, PreferenceTrainer
+from aligner.algorithms.preference_trainer import (PreferenceAlgorithm, PreferenceFormat, PreferenceTrainer,
+                                                   packing_enabled)
+from aligner.algorithms.sequence_logprobs import sequence_loss_step
 from aligner.algorithms.trainer import Trainer
-from aligner.runtime.distributed import sum_over_group
+from aligner.config import load_resolved
+from aligner.data.preference_rm import load_rm_dataset
+from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+from aligner.models import checkpoint
+from aligner.models.forward_step import head_values, last_token_reduction, make_forward_step
+from aligner.models.gpt import build_gpt
+from aligner.models.heads import attach_scalar_head
+from aligner.models.policy import build_policy
+from aligner.models.training import wrap_for_training
+from aligner.runtime import distributed
 
 
 # ---- losses and reports ---------------------------------------------------------------------------
@@ -79,7 +88,7 @@ class PairFormat:
 
 
 class RegressionFormat:
-    """`RegressionSample`s -> tokens [b, L], lengths [b], labels and label_mask [b, attributes]."""
+    """`RegressionSample`s -> tokens [b, L], lengths [b], attribute_labels and attribute_mask [b, attributes]."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
@@ -92,8 +101,8 @@ class RegressionFormat:
     def collate(self, samples, length: int) -> dict:
         tokens, lengths = _pad_rows([s.ids for s in samples], length, self.pad_id)
         return {"tokens": tokens, "lengths": lengths,
-                "labels": torch.tensor([s.labels for s in samples], dtype=torch.float32),
-                "label_mask": torch.tensor([s.label_mask for s in samples], dtype=torch.float32)}
+                "attribute_labels": torch.tensor([s.labels for s in samples], dtype=torch.float32),
+                "attribute_mask": torch.tensor([s.label_mask for s in samples], dtype=torch.float32)}
 
 
 # ---- packed batches (data.packing=true) ---------------------------------------------------------------
@@ -130,103 +139,29 @@ class PackedRewardObjective(PreferenceAlgorithm):
                 batch["margins"] = torch.tensor([s.margin for s in group], dtype=torch.float32)
 
     def loss(self, scores, counts, batch):
-        if self.kind == "regression":
-            return regression_loss(scores, batch["attribute_labels"].to(scores), batch["attribute_mask"].to(scores))
-        pairs = scores.shape[0] // 2
-        margins = batch["margins"].to(scores) if self.kind == "margin_pairs" else None
-        loss, report = pair_loss(scores[:pairs, 0], scores[pairs:, 0], margins)
-        return loss, torch.tensor(float(pairs), device=scores.device), report
+        return score_loss(self.kind)(scores, batch)
 
 
 # ---- forward step ---------------------------------------------------------------------------------
-def sequence_scores(values: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Head outputs at each sequence's last token. values [b, s_local, k] at global `positions`
-    [s_local] (this CP rank's chunks) -> [b, k], summed over the context-parallel group."""
-    from megatron.core import parallel_state as ps
+def score_loss(kind: str):
+    """(scores [n, k], batch) -> (loss, count, report) for `kind` "pairs" or "margin_pairs" (the first
+    half of the scores are the chosen sequences', the second half the rejected ones') or "regression"."""
 
-    from aligner.models.heads import last_token_scores
+    def loss(scores, batch):
+        if kind == "regression":
+            return regression_loss(scores, batch["attribute_labels"].to(scores), batch["attribute_mask"].to(scores))
+        pairs = scores.shape[0] // 2
+        margins = batch["margins"].to(scores) if kind == "margin_pairs" else None
+        loss, report = pair_loss(scores[:pairs, 0], scores[pairs:, 0], margins)
+        return loss, torch.tensor(float(pairs), device=scores.device), report
 
-    if ps.get_context_parallel_world_size() == 1:
-        return last_token_scores(values, lengths)
-    at_last = (positions.view(1, -1) == (lengths.view(-1, 1) - 1)).to(values.dtype)
-    local = (values * at_last.unsqueeze(-1)).sum(1)
-    return sum_over_group(local, ps.get_context_parallel_group())
+    return loss
 
 
 def make_rm_forward_step(kind: str):
-    """The megatron forward step for `kind` "pairs" (BT, with the batch's margins) or "regression"."""
-    from megatron.core import parallel_state as ps
-
-    from aligner.models.cp_attention import positions_on_rank
-
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    use_margins = kind == "margin_pairs"
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        if device is not None:
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        tokens = batch["tokens"]
-        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-        positions = (positions_on_rank(tokens.shape[1], cp, cp_rank) if cp > 1
-                     else torch.arange(tokens.shape[1])).to(tokens.device)
-        output = model(tokens[:, positions], positions.unsqueeze(0).expand(tokens.shape[0], -1), None)
-
-        def loss_func(values):
-            scores = sequence_scores(values.float(), batch["lengths"], positions)
-            if kind == "regression":
-                loss, count, report = regression_loss(scores, batch["labels"], batch["label_mask"])
-            else:
-                pairs = scores.shape[0] // 2
-                chosen, rejected = scores[:pairs, 0], scores[pairs:, 0]
-                loss, report = pair_loss(chosen, rejected, batch["margins"] if use_margins else None)
-                count = torch.tensor(float(pairs), device=scores.device)
-            # Every CP rank computes the same loss; the count and the reports come from CP rank 0 once.
-            keep = 1.0 if cp_rank == 0 else 0.0
-            report = {k: v.detach().float() * keep for k, v in report.items()}
-            report["count"] = count.detach().float() * keep
-            return loss, (count * keep).int(), report
-
-        return output, loss_func
-
-    return forward_step
-
-
-# ---- checkpoints ----------------------------------------------------------------------------------
-def head_outputs(path) -> int | None:
-    """Outputs of a checkpoint's scalar head (None for a language-model checkpoint)."""
-    from aligner.models.checkpoint import read_metadata
-
-    meta = read_metadata(path)
-    if meta.get("head", "lm") == "lm":
-        return None
-    if "scalar_head" in meta:
-        return int(meta["scalar_head"]["num_outputs"])
-    from megatron.core import dist_checkpointing
-
-    return int(dist_checkpointing.load_tensors_metadata(str(Path(path) / "weights"))["output_layer.weight"].shape[0])
-
-
-def load_pretrained(path, model, num_outputs: int) -> bool:
-    """Load a checkpoint into a scalar-head model (any TP/PP): all weights when its head has
-    `num_outputs` outputs, else everything but the head (a language model, or a reward model with
-    other attributes), which keeps its initialisation. Collective. Returns whether the head loaded."""
-    from megatron.core import dist_checkpointing
-
-    from aligner.models.checkpoint import unwrap
-
-    inner = unwrap(model)
-    sharded = inner.sharded_state_dict()
-    with_head = head_outputs(path) == num_outputs
-    skipped = [] if with_head else [k for k in sharded if k.startswith("output_layer.")]
-    for key in skipped:
-        del sharded[key]
-    loaded = dist_checkpointing.load({"model": sharded}, str(Path(path) / "weights"))["model"]
-    missing, unexpected = inner.load_state_dict(loaded, strict=False)
-    if set(missing) - set(skipped) or unexpected:
-        raise RuntimeError(f"{path} does not fit this model: missing {sorted(set(missing) - set(skipped))[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
-    return with_head
+    """The forward step of padded reward-model batches (`PairFormat`, `RegressionFormat`): the rewards
+    are the head outputs at each row's last token."""
+    return make_forward_step(head_values, last_token_reduction(score_loss(kind)))
 
 
 class RewardModelTrainer(Trainer):
@@ -238,10 +173,8 @@ class RewardModelTrainer(Trainer):
         self.head_meta = head_meta
 
     def resume(self) -> None:
-        from aligner.models import checkpoint
-
         if checkpoint.latest_checkpoint(self.run_dir / "checkpoints") is None and self.cfg.model.pretrained:
-            load_pretrained(self.cfg.model.pretrained, self.model, self.head_meta["num_outputs"])
+            checkpoint.load_into_scalar_model(self.cfg.model.pretrained, self.model, self.head_meta["num_outputs"])
             return
         super().resume()
 
@@ -254,22 +187,11 @@ class PackedRewardModelTrainer(RewardModelTrainer, PreferenceTrainer):
 # ---- entry points ---------------------------------------------------------------------------------
 def main(argv: list[str]) -> None:
     """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
-    from aligner.config import load_resolved
-
     run(load_resolved(argv[0], "rm"))
 
 
 def run(cfg) -> None:
     """One rank of `aligner train rm` with a validated config."""
-    from aligner.algorithms.preference import (PreferenceFormat, build_policy, head_outputs,
-                                               make_sequence_forward_step, packing_enabled)
-    from aligner.data.preference_rm import load_rm_dataset
-    from aligner.data.tokenizer import load_tokenizer, model_vocab_size
-    from aligner.models.gpt import build_gpt
-    from aligner.models.heads import attach_scalar_head
-    from aligner.models.training import wrap_for_training
-    from aligner.runtime import distributed
-
     m, rm, d = cfg.model, cfg.rm, cfg.data
     loss = rm.loss.value if hasattr(rm.loss, "value") else str(rm.loss)
     attributes = list(rm.attributes)
@@ -290,7 +212,7 @@ def run(cfg) -> None:
         objective = PackedRewardObjective(step_kind, tokenizer.pad_token_id)
         model = attach_scalar_head(build_policy(m, vocab_size), num_outputs)
         model, optimizer, scheduler = wrap_for_training(model, m, cfg.optim)
-        step = make_sequence_forward_step(objective.loss, vocab_size, head_outputs)
+        step = sequence_loss_step(objective.loss, vocab_size, head_values)
         trainer = PackedRewardModelTrainer(cfg, model, optimizer, scheduler, step, train, val,
                                            PreferenceFormat(objective, tokenizer.pad_token_id), vocab_size,
                                            tokenizer, head_meta=head_meta, algorithm=objective, reference_mode=None,

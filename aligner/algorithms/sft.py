@@ -1,8 +1,25 @@
-"""Supervised fine-tuning: next-token NLL on the loss-masked (assistant / output) tokens."""
+"""Supervised fine-tuning: next-token NLL on the loss-masked (assistant / output) tokens.
+
+Padded batches (one sample per row) run the plain GPT; packed ones (`data.packing`, several samples
+per row) run the sequence machinery of the preference trainers with `SFTObjective`."""
 from __future__ import annotations
 
-from aligner.algorithms.lm_step import make_forward_step, sft_loss
+import torch
+
+from aligner.algorithms import functional as F
+from aligner.algorithms.preference_losses import SFTObjective
+from aligner.algorithms.preference_trainer import PreferenceFormat, PreferenceTrainer, packing_enabled
+from aligner.algorithms.sequence_logprobs import sequence_loss_step
 from aligner.algorithms.trainer import Trainer
+from aligner.config import load_resolved
+from aligner.data.loader import collate
+from aligner.data.sft import load_sft_dataset
+from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+from aligner.models.forward_step import label_logprobs, make_forward_step, token_reduction
+from aligner.models.gpt import build_gpt
+from aligner.models.policy import build_policy
+from aligner.models.training import wrap_for_training
+from aligner.runtime import distributed
 
 
 class SFTFormat:
@@ -17,15 +34,22 @@ class SFTFormat:
     tokens = length
 
     def collate(self, samples, length: int) -> dict:
-        from aligner.data.loader import collate
-
         return collate(samples, self.pad_id, length)
+
+
+def sft_loss(logprobs: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Next-token NLL summed over loss tokens; normalised by the global loss-token count."""
+    loss = F.token_nll_sum(logprobs, batch["loss_mask"])
+    return loss, batch["loss_mask"].sum(), {"loss": loss}
+
+
+def sft_forward_step(vocab_size: int):
+    """The forward step of padded SFT batches (one sample per row)."""
+    return make_forward_step(label_logprobs(vocab_size), token_reduction(sft_loss))
 
 
 def main(argv: list[str]) -> None:
     """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
-    from aligner.config import load_resolved
-
     run(load_resolved(argv[0], "sft"))
 
 
@@ -33,13 +57,6 @@ def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
     """One rank of `aligner train sft` with a validated config. `condition(record, tokenizer)` gives
     ids to put at the start of each sample outside the loss (SteerLM), `extra_meta` goes into every
     checkpoint's metadata."""
-    from aligner.algorithms.preference import packing_enabled
-    from aligner.data.sft import load_sft_dataset
-    from aligner.data.tokenizer import load_tokenizer, model_vocab_size
-    from aligner.models.gpt import build_gpt
-    from aligner.models.training import wrap_for_training
-    from aligner.runtime import distributed
-
     m = cfg.model
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
@@ -53,18 +70,15 @@ def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
 
     train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
     if packed:  # several samples per row: the sequence machinery of the preference trainers
-        from aligner.algorithms import preference as p
-
-        objective = p.SFTObjective()
-        model, optimizer, scheduler = wrap_for_training(p.build_policy(m, vocab_size), m, cfg.optim)
-        trainer = p.PreferenceTrainer(cfg, model, optimizer, scheduler,
-                                      p.make_sequence_forward_step(objective.loss, vocab_size), train, val,
-                                      p.PreferenceFormat(objective, tokenizer.pad_token_id), vocab_size, tokenizer,
-                                      extra_meta=extra_meta, algorithm=objective, reference_mode=None,
-                                      packing={"packed": True, "capacity": d.pack_length})
+        objective = SFTObjective()
+        model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
+        trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(objective.loss, vocab_size),
+                                    train, val, PreferenceFormat(objective, tokenizer.pad_token_id), vocab_size,
+                                    tokenizer, extra_meta=extra_meta, algorithm=objective, reference_mode=None,
+                                    packing={"packed": True, "capacity": d.pack_length})
     else:
         model, optimizer, scheduler = wrap_for_training(build_gpt(m, vocab_size), m, cfg.optim)
-        trainer = Trainer(cfg, model, optimizer, scheduler, make_forward_step(sft_loss, vocab_size), train, val,
+        trainer = Trainer(cfg, model, optimizer, scheduler, sft_forward_step(vocab_size), train, val,
                           SFTFormat(tokenizer.pad_token_id), vocab_size, tokenizer, extra_meta=extra_meta)
     trainer.fit()
     distributed.shutdown()

@@ -1,15 +1,15 @@
-"""`aligner train simpo`: simple preference optimisation (reference-free; `preference.py`)."""
+"""`aligner train simpo`: simple preference optimisation (reference-free; `preference_losses.py`)."""
 from __future__ import annotations
+
+from aligner.algorithms.preference_losses import SimPO
+from aligner.algorithms.preference_trainer import run as run_preference
+from aligner.config import load_resolved
 
 
 def main(argv: list[str]) -> None:
     """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
-    from aligner.config import load_resolved
-
     run(load_resolved(argv[0], "simpo"))
 
 
 def run(cfg) -> None:
-    from aligner.algorithms.preference import SimPO, run as run_preference
-
     run_preference(cfg, SimPO(cfg.simpo))

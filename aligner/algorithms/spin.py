@@ -26,10 +26,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
-from aligner.algorithms.preference import DPO, PreferenceFormat, PreferenceTrainer, _params, \
-    make_sequence_forward_step
+from aligner.algorithms.preference_losses import DPO
+from aligner.algorithms.preference_trainer import PreferenceFormat, PreferenceTrainer
+from aligner.algorithms.reference import named_parameters
+from aligner.algorithms.sequence_logprobs import sequence_loss_step
+from aligner.config import load_resolved
 from aligner.data.preference import PreferencePair
+from aligner.data.sft import load_sft_dataset
+from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+from aligner.generation import rng
+from aligner.generation.megatron_engine import MegatronEngine
+from aligner.generation.types import SamplingParams
+from aligner.models.checkpoint import load_weights
+from aligner.models.gpt import build_gpt
+from aligner.models.policy import build_policy
+from aligner.models.training import wrap_for_training
+from aligner.runtime import distributed
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +70,13 @@ def generation_metrics(truths: list[list[int]], generations: list[list[int]]) ->
 
 
 class SPINTrainer(PreferenceTrainer):
-    """The preference loop whose pairs and reference are renewed at each iteration boundary."""
+    """The preference loop with a generation phase: at each iteration boundary `generate` renews the
+    pairs and the reference, then the iteration's steps train DPO on them."""
 
     def __init__(self, *args, prompts, truths, engine, spin_cfg, **kwargs):
         super().__init__(*args, **kwargs)
         self.prompts, self.truths, self.engine, self.spin = prompts, truths, engine, spin_cfg
         self.iteration = -1  # the iteration whose pairs are loaded
-        self.pending: dict = {}  # generation metrics, reported with the iteration's first step
 
     def _pairs_path(self, k: int) -> Path:
         return self.run_dir / "spin" / f"iteration_{k}.pt"
@@ -80,23 +94,21 @@ class SPINTrainer(PreferenceTrainer):
             self.iteration = k
 
     def _reference_from_checkpoint(self, path: Path) -> None:
-        from aligner.algorithms.preference import build_policy
-        from aligner.models.checkpoint import load_weights
-
-        m = self.cfg.model
-        weights = build_policy(m, self.vocab_size)
+        weights = build_policy(self.cfg.model, self.vocab_size)
         load_weights(path, weights)
-        self.reference.load_from(_params(weights))
+        self.reference.load_from(named_parameters(weights))
 
-    def _start_iteration(self, k: int) -> None:
-        from megatron.core import parallel_state as ps
+    def before_train_step(self) -> dict:
+        k = self.step // self.spin.steps_per_iteration
+        metrics = self.generate(k) if k != self.iteration else {}
+        return {**metrics, "spin/iteration": k}
 
-        from aligner.generation import rng
-        from aligner.generation.types import SamplingParams
-
+    def generate(self, k: int) -> dict:
+        """The generation phase of iteration k: the reference becomes the current policy, which
+        generates the iteration's rejected responses; returns the generation metrics."""
         if k > 0 and not self._boundary_checkpoint(k).exists():
             self.save()  # a resumed run inside iteration k reads its reference from here
-        self.reference.load_from(_params(self.model))
+        self.reference.load_from(named_parameters(self.model))
         s = self.spin
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, greedy=s.greedy,
                                 max_new_tokens=s.max_new_tokens, seed=s.seed)
@@ -110,7 +122,7 @@ class SPINTrainer(PreferenceTrainer):
         dist.all_gather_object(parts, rollout.responses(), group=ps.get_data_parallel_group())
         generations = [g for part in parts for g in part]
         self.train_data = spin_pairs(self.prompts, self.truths, generations, self.cfg.data.max_length)
-        self.pending = {**generation_metrics(self.truths, generations)}
+        metrics = generation_metrics(self.truths, generations)
         if dist.get_rank() == 0:
             path = self._pairs_path(k)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,34 +132,17 @@ class SPINTrainer(PreferenceTrainer):
         self.iteration = k
         if self.is_logger:
             log.info("SPIN iteration %d: %d pairs, generation matches %.3f of the ground truth", k, n,
-                     self.pending["spin/gen_match"])
-
-    def train_step(self) -> dict:
-        k = self.step // self.spin.steps_per_iteration
-        if k != self.iteration:
-            self._start_iteration(k)
-        metrics = super().train_step()
-        metrics.update(self.pending, **{"spin/iteration": k})
-        self.pending = {}
+                     metrics["spin/gen_match"])
         return metrics
 
 
 def main(argv: list[str]) -> None:
     """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
-    from aligner.config import load_resolved
-
     run(load_resolved(argv[0], "spin"))
 
 
 def run(cfg) -> None:
     """One rank of `aligner train spin` with a validated config."""
-    from aligner.data.sft import load_sft_dataset
-    from aligner.data.tokenizer import load_tokenizer, model_vocab_size
-    from aligner.generation.megatron_engine import MegatronEngine
-    from aligner.models.gpt import build_gpt
-    from aligner.models.training import wrap_for_training
-    from aligner.runtime import distributed
-
     m, d = cfg.model, cfg.data
     distributed.start_training_rank(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
@@ -161,7 +156,7 @@ def run(cfg) -> None:
     dpo = DPO(cfg.dpo)
     mode = getattr(cfg.reference.mode, "value", cfg.reference.mode)
     placeholder = spin_pairs(list(prompts), list(truths), list(truths), d.max_length)  # replaced at the first step
-    trainer = SPINTrainer(cfg, model, optimizer, scheduler, make_sequence_forward_step(dpo.loss, vocab_size),
+    trainer = SPINTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(dpo.loss, vocab_size),
                           placeholder, None, PreferenceFormat(dpo, tokenizer.pad_token_id), vocab_size, tokenizer,
                           algorithm=dpo, reference_mode=mode, packing={"packed": False, "capacity": None},
                           prompts=list(prompts), truths=list(truths), engine=engine, spin_cfg=cfg.spin)

@@ -9,7 +9,7 @@ outside the loss. Training and generation call the same `condition_ids` / `inser
 working on ids (not text) means no tokenizer merge across the boundary can make them differ.
 
 Attribute values come from the data (`"attributes": {name: int}` on each SFT record) or from a
-regression reward model (`label_attributes`): the model's score for each attribute, rounded to the
+regression reward model (`write_attribute_labels`): the model's score for each attribute, rounded to the
 nearest integer and clipped to [0, scale], as SteerLM's labelling step does.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from aligner.data.jsonl import DataError, json_type, read_jsonl
 
@@ -72,22 +72,14 @@ def parse_condition(text: str, names: Sequence[str], scale: int) -> dict[str, in
     return parse_attributes({"attributes": values}, names, scale)
 
 
-def label_attributes(rm_checkpoint, data_path, out_path, scale: int = 4, fmt: str = "auto",
-                     batch_size: int = 16) -> Path:
-    """Score every record of an SFT JSONL with a regression reward model (in this process) and write
-    it back, in order, with `attributes` {name: round(clip(score, 0, scale))}. The reward model sees
-    each record as it saw its training data (`preference_rm.reward_input_ids`)."""
-    from aligner.data.preference_rm import reward_input_ids
-    from aligner.data.tokenizer import load_tokenizer
-    from aligner.models.checkpoint import read_metadata
-    from aligner.servers.engine import score_checkpoint
+def write_attribute_labels(score: Callable[[list[list[int]]], Sequence[Sequence[float]]], names: Sequence[str], tokenizer,
+                     data_path, out_path, scale: int = 4, fmt: str = "auto") -> Path:
+    """Score every record of an SFT JSONL with a regression reward model and write it back, in order,
+    with `attributes` {name: round(clip(score, 0, scale))}. `score(token sequences)` gives one row of
+    attribute values (`names`, in order) per sequence; the reward model sees each record as it saw
+    its training data (`preference_rm.reward_input_ids`, with its `tokenizer`)."""
+    from aligner.data.preference_rm import reward_input_ids  # here: preference_rm -> sft -> steerlm is a cycle
 
-    head = read_metadata(rm_checkpoint).get("scalar_head") or {}
-    names = head.get("attributes")
-    if not names:
-        raise ValueError(f"{rm_checkpoint} is not a regression reward model with named attributes "
-                         f"(train one with rm.loss=regression rm.attributes=[...])")
-    tokenizer = load_tokenizer(Path(rm_checkpoint) / "tokenizer")
     records, sequences = [], []
     for line_no, obj in read_jsonl(data_path):
         try:
@@ -95,12 +87,12 @@ def label_attributes(rm_checkpoint, data_path, out_path, scale: int = 4, fmt: st
         except DataError as e:
             raise DataError(f"{data_path}:{line_no}: {e}") from None
         records.append(obj)
-    scores = score_checkpoint(rm_checkpoint, sequences, micro_batch_size=batch_size)
+    scores = score(sequences)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     with open(partial, "w") as f:
-        for obj, row in zip(records, scores.tolist()):
+        for obj, row in zip(records, scores):
             labels = {name: min(scale, max(0, math.floor(value + 0.5))) for name, value in zip(names, row)}
             f.write(json.dumps({**obj, "attributes": labels}) + "\n")
     os.replace(partial, out)

@@ -116,6 +116,38 @@ def load_weights(path, model) -> None:
     inner.load_state_dict(loaded["model"])
 
 
+def scalar_head_outputs(path) -> int | None:
+    """Outputs of a checkpoint's scalar head (reward or value); None for a language-model checkpoint."""
+    meta = read_metadata(path)
+    if meta.get("head", "lm") == "lm":
+        return None
+    if "scalar_head" in meta:
+        return int(meta["scalar_head"]["num_outputs"])
+    from megatron.core import dist_checkpointing
+
+    return int(dist_checkpointing.load_tensors_metadata(str(Path(path) / "weights"))["output_layer.weight"].shape[0])
+
+
+def load_into_scalar_model(path, model, num_outputs: int) -> bool:
+    """Load a checkpoint into a scalar-head model (any TP/PP): all weights when its head has
+    `num_outputs` outputs, else everything but the head (a language model, or a reward model with
+    other attributes), which keeps its initialisation. Collective. Returns whether the head loaded."""
+    from megatron.core import dist_checkpointing
+
+    inner = unwrap(model)
+    sharded = inner.sharded_state_dict()
+    with_head = scalar_head_outputs(path) == num_outputs
+    skipped = [] if with_head else [k for k in sharded if k.startswith("output_layer.")]
+    for key in skipped:
+        del sharded[key]
+    loaded = dist_checkpointing.load({"model": sharded}, str(Path(path) / "weights"))["model"]
+    missing, unexpected = inner.load_state_dict(loaded, strict=False)
+    if set(missing) - set(skipped) or unexpected:
+        raise RuntimeError(f"{path} does not fit this model: missing {sorted(set(missing) - set(skipped))[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+    return with_head
+
+
 def _materialise_distributed_optimizer_state(optimizer) -> None:
     """megatron's DistributedOptimizer describes its state for loading from the inner optimizer's
     current state, which torch's Adam only creates at its first step (apex/TE's fused Adam create it

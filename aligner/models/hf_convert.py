@@ -246,8 +246,8 @@ def export_rank(ckpt_dir, out_dir, dtype: str = "", max_shard_bytes: str | int =
     (`aligner.models.weight_stream`), write."""
     import torch.distributed as dist
 
-    from aligner.algorithms.reward_model import head_outputs
-    from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata
+    from aligner.models.checkpoint import (load_weights, model_config_from_checkpoint, read_metadata,
+                                          scalar_head_outputs)
     from aligner.models.gpt import build_gpt
     from aligner.models.heads import attach_scalar_head
     from aligner.models.weight_stream import iter_hf_weights
@@ -256,7 +256,7 @@ def export_rank(ckpt_dir, out_dir, dtype: str = "", max_shard_bytes: str | int =
     cfg, vocab = model_config_from_checkpoint(ckpt_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     dtype = dtype or cfg.params_dtype
     meta = read_metadata(ckpt_dir)
-    outputs = head_outputs(ckpt_dir) or 0
+    outputs = scalar_head_outputs(ckpt_dir) or 0
     seed_everything(0)
     model = build_gpt(cfg, vocab)
     if outputs:

@@ -21,32 +21,46 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from megatron.core import parallel_state as ps
 
 from aligner.algorithms import functional as F
+from aligner.algorithms.training_step import forward_backward, optimizer_step
+from aligner.models import checkpoint
+from aligner.models.forward_step import head_values, make_forward_step, token_reduction
+from aligner.models.heads import ScalarHead, last_token_scores
+from aligner.models.scoring import build_scalar_model, forward_rows, token_values_head
+from aligner.models.training import wrap_for_training
+from aligner.models.weight_swap import CpuWeights
 from aligner.servers.common import Job, RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
     max_length, run_job, split_outputs
-from aligner.servers.engine import REWARD, SAVE, TRAIN, VALUES, build_scalar_model, forward_rows, last_token_head, \
-    token_values_head
+from aligner.servers.engine import REWARD, SAVE, TRAIN, VALUES
 
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "kv_channels", "add_qkv_bias", "tie_embeddings")
 
 
-def _backbone(model):
-    from aligner.models.checkpoint import unwrap
+def _backbone(model) -> dict[str, torch.nn.Parameter]:
+    """Every parameter but the head's (the critic and the co-hosted reward model share these)."""
+    return {n: p for n, p in checkpoint.unwrap(model).named_parameters() if not n.startswith("output_layer.")}
 
-    return [(n, p) for n, p in unwrap(model).named_parameters() if not n.startswith("output_layer.")]
+
+def value_loss(clip: float):
+    """The critic's token loss: PPO's clipped value loss on the returns (`functional.clipped_value_loss`),
+    summed over the masked tokens; count = masked tokens."""
+
+    def loss(values, local):
+        token_loss, clipped = F.clipped_value_loss(values[..., 0], local["prev_values"], local["returns"], clip)
+        loss = F.masked_sum(token_loss, local["mask"])
+        return loss, local["mask"].sum(), {"loss": loss, "clip_fraction": F.masked_sum(clipped, local["mask"])}
+
+    return loss
 
 
 class Critic:
     """The critic (and optionally a co-hosted reward model) on every rank; methods are collective."""
 
     def __init__(self, cfg):
-        from aligner.algorithms.reward_model import load_pretrained
-        from aligner.models import checkpoint
-        from aligner.models.training import wrap_for_training
-
         self.cfg = cfg
         self.checkpoints = Path(cfg.run_dir) / "checkpoints"
         latest = checkpoint.latest_checkpoint(self.checkpoints)
@@ -57,6 +71,7 @@ class Critic:
         gpt, self.model_cfg, self.vocab_size = build_scalar_model(source, cfg.parallel, 1)
         self.inner = gpt
         self.model, self.optimizer, self.scheduler = wrap_for_training(gpt, self.model_cfg, cfg.optim)
+        self.train_step = make_forward_step(head_values, token_reduction(value_loss(cfg.trainer.loss_clip)))
         self.value_head = gpt.output_layer if gpt.post_process else None
         self.reward = None
         if cfg.reward_checkpoint:
@@ -68,60 +83,47 @@ class Critic:
             self.scheduler.load_state_dict(state["scheduler"])
             log.info("critic resumed from %s at step %d", latest, self.step)
         else:
-            load_pretrained(cfg.checkpoint, self.model, 1)
+            checkpoint.load_into_scalar_model(cfg.checkpoint, self.model, 1)
             log.info("critic initialised from %s", cfg.checkpoint)
         self.model.eval()
         self.resident = "critic"
-        self._critic_store = None
 
     # ---- weight swap -----------------------------------------------------------------------------------
     def _stash_reward_model(self, path, critic_source) -> None:
         """Load the reward model through the critic's own parameters, keep its weights on the CPU."""
-        from aligner.algorithms.reward_model import head_outputs, load_pretrained
-        from aligner.models.checkpoint import read_metadata
-        from aligner.models.heads import ScalarHead
-
-        mine, theirs = read_metadata(critic_source)["model"], read_metadata(path)["model"]
+        mine, theirs = checkpoint.read_metadata(critic_source)["model"], checkpoint.read_metadata(path)["model"]
         differ = [k for k in ARCHITECTURE_KEYS if mine.get(k) != theirs.get(k)]
         if differ:
             raise ValueError(f"reward_checkpoint={path} cannot share the critic's weights: "
                              + ", ".join(f"{k} {theirs.get(k)} vs {mine.get(k)}" for k in differ)
                              + "; serve it on its own with `aligner serve reward`")
-        outputs = head_outputs(path)
+        outputs = checkpoint.scalar_head_outputs(path)
         self.reward_head = ScalarHead(self.inner.config, outputs) if self.inner.post_process else None
         if self.reward_head is not None:
             if torch.cuda.is_available():
                 self.reward_head.cuda()
             self.inner.output_layer = self.reward_head
-        load_pretrained(path, self.model, outputs)
-        pinned = torch.cuda.is_available()
-        self._reward_store = [p.detach().to("cpu", copy=True).pin_memory() if pinned else p.detach().to("cpu", copy=True)
-                              for _, p in _backbone(self.model)]
+        checkpoint.load_into_scalar_model(path, self.model, outputs)
+        self._reward_weights = CpuWeights(_backbone(self.model))
+        self._critic_weights = CpuWeights(_backbone(self.model), copy=False)  # filled at the first swap
         if self.value_head is not None:
             self.inner.output_layer = self.value_head
         self.reward_outputs = outputs
         self.reward = True
 
-    @torch.no_grad()
     def _use(self, which: str) -> None:
         if self.resident == which:
             return
-        params = [p for _, p in _backbone(self.model)]
+        params = _backbone(self.model)
         if which == "reward":
-            if self._critic_store is None:
-                self._critic_store = [torch.empty_like(p, device="cpu", pin_memory=torch.cuda.is_available())
-                                      for p in params]
-            for p, saved in zip(params, self._critic_store):
-                saved.copy_(p, non_blocking=True)
-            source, head = self._reward_store, self.reward_head
+            self._critic_weights.save(params)
+            self._reward_weights.load_into(params)
+            head = self.reward_head
         else:
-            source, head = self._critic_store, self.value_head
-        for p, saved in zip(params, source):
-            p.copy_(saved, non_blocking=True)
+            self._critic_weights.load_into(params)
+            head = self.value_head
         if head is not None:
             self.inner.output_layer = head
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         self.resident = which
 
     # ---- collective operations ------------------------------------------------------------------------
@@ -132,7 +134,7 @@ class Critic:
 
     def rewards(self, tokens, lengths):
         self._use("reward")
-        return forward_rows(self.model, tokens, lengths, self.cfg.server.forward_micro_batch_size, last_token_head,
+        return forward_rows(self.model, tokens, lengths, self.cfg.server.forward_micro_batch_size, last_token_scores,
                             (self.reward_outputs,))
 
     def infer(self, tokens, lengths) -> tuple:
@@ -145,31 +147,11 @@ class Critic:
 
     def train(self, batch: dict) -> float:
         """Optimizer steps on `batch` (tokens, returns, prev_values, mask); the mean loss per step."""
-        from megatron.core import parallel_state as ps
-
-        from aligner.algorithms.trainer import run_schedule
-
         self._use("critic")
         t = self.cfg.trainer
         rows, width = batch["tokens"].shape
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         per_rank = t.global_batch_size // dp
-        positions = torch.arange(width, device=batch["tokens"].device)
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            output = model(mb["tokens"], positions.expand(mb["tokens"].shape[0], -1), None)
-
-            def loss_func(values):
-                token_loss, clipped = F.clipped_value_loss(values[..., 0].float(), mb["prev_values"], mb["returns"],
-                                                           t.loss_clip)
-                loss, count = F.masked_sum(token_loss, mb["mask"]), mb["mask"].sum()
-                report = {"loss": loss.detach(), "clip_fraction": F.masked_sum(clipped, mb["mask"]),
-                          "count": count.detach().float()}
-                return loss, count.int(), report
-
-            return output, loss_func
-
         losses = []
         self.model.train()
         for _ in range(t.epochs):
@@ -181,19 +163,14 @@ class Critic:
                 mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in chunk.items()}
                 micro = [{k: v[i:i + t.micro_batch_size] for k, v in mine.items()}
                          for i in range(0, per_rank, t.micro_batch_size)]
-                self.model.zero_grad_buffer()
-                self.optimizer.zero_grad()
-                sums = run_schedule(self.model, forward_step, micro, width, forward_only=False)
-                self.scheduler.step(increment=1)
-                self.optimizer.step()
+                sums = forward_backward(self.model, self.optimizer, self.train_step, micro, width)
+                optimizer_step(self.optimizer, self.scheduler)
                 self.step += 1
                 losses.append(sums.get("loss", 0.0) / max(sums.get("count", 0.0), 1.0))
         self.model.eval()
         return float(np.mean(losses))
 
     def save(self) -> int:
-        from aligner.models import checkpoint
-
         self._use("critic")
         state = {"step": self.step, "scheduler": self.scheduler.state_dict()}
         path = checkpoint.save_checkpoint(self.checkpoints / f"step_{self.step:06d}", self.model, self.model_cfg,

@@ -10,23 +10,23 @@ from __future__ import annotations
 
 import torch
 
+from aligner.models.checkpoint import load_weights, read_metadata, scalar_head_outputs
+from aligner.models.heads import last_token_scores
+from aligner.models.scoring import build_scalar_model, forward_rows
 from aligner.servers.common import Job, RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
     max_length, run_job, split_outputs
-from aligner.servers.engine import REWARD, build_scalar_model, forward_rows, last_token_head
+from aligner.servers.engine import REWARD
 
 
 class RewardModel:
     """A reward checkpoint on every rank of the job; `scores` is collective."""
 
     def __init__(self, checkpoint, parallel, micro_batch_size: int):
-        from aligner.algorithms.reward_model import head_outputs
-        from aligner.models.checkpoint import load_weights, read_metadata
-
         meta = read_metadata(checkpoint)
         if meta.get("head") != "reward":
             raise ValueError(f"{checkpoint} has a '{meta.get('head', 'lm')}' head, not a reward model's; train one "
                              f"with `aligner train rm` or import one with `aligner convert hf-to-mcore`")
-        self.num_outputs = head_outputs(checkpoint)
+        self.num_outputs = scalar_head_outputs(checkpoint)
         self.model, self.model_cfg, self.vocab_size = build_scalar_model(checkpoint, parallel, self.num_outputs)
         load_weights(checkpoint, self.model)
         self.model.eval()
@@ -34,7 +34,7 @@ class RewardModel:
 
     def scores(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
         """Raw head outputs [B, A] on rank 0 (None elsewhere)."""
-        return forward_rows(self.model, tokens, lengths, self.micro_batch_size, last_token_head, (self.num_outputs,))
+        return forward_rows(self.model, tokens, lengths, self.micro_batch_size, last_token_scores, (self.num_outputs,))
 
 
 def main(argv: list[str]) -> None:
