@@ -22,6 +22,8 @@ from aligner.algorithms.sequence_logprobs import interleave, sequence_loss_step
 from aligner.algorithms.trainer import Trainer
 from aligner.data.loader import split_for_rank
 from aligner.data.packing import build_micro_batches
+from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
+from aligner.data.tokenizer import load_tokenizer, model_vocab_size
 from aligner.models.checkpoint import unwrap
 from aligner.models.gpt import use_transformer_engine
 from aligner.models.policy import build_policy
@@ -159,9 +161,6 @@ def packing_enabled(cfg) -> bool:
 # ---- entry point ------------------------------------------------------------------------------------------
 def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
     """One rank of `aligner train <dpo|orpo|simpo|kto>` with a validated config."""
-    from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
-    from aligner.data.tokenizer import load_tokenizer, model_vocab_size
-
     m, d = cfg.model, cfg.data
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)

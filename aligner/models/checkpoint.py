@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+# megatron is imported inside the functions: the CLI process reads checkpoint metadata before it
+# launches ranks, and importing megatron there costs seconds and prints its apex/TE warnings.
+
 FORMAT_VERSION = 1
 # Distributed-optimizer state: one shard per DP rank, written in parallel with no gather. Such a
 # state resumes at the same TP/PP (any DP); the model weights themselves load at any layout.

@@ -23,6 +23,10 @@ from pathlib import Path
 
 import torch
 
+# megatron and the model modules are imported inside the functions: `aligner convert` imports this
+# module in the CLI process, which with several ranks only launches them (megatron costs seconds
+# there and prints its apex/TE warnings); safetensors' writer and transformers only when used.
+
 from aligner.models import hf_weights as hw
 
 # Files of a HF model directory that belong to its tokenizer.

@@ -33,7 +33,11 @@ from aligner.models.training import wrap_for_training
 from aligner.models.weight_swap import CpuWeights
 from aligner.servers.common import Job, RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
     max_length, run_job, split_outputs
+from aligner.servers.config import load_resolved_serve_config
 from aligner.servers.engine import REWARD, SAVE, TRAIN, VALUES
+from aligner.servers.protocol import CRITIC_SAVE, CRITIC_TRAIN, TRAIN_MAX_ROWS, RequestError, check_float_like, \
+    check_tokens, critic_infer_endpoint, reward_endpoint
+from aligner.servers.triton import Binding
 
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -183,16 +187,10 @@ class Critic:
 
 
 def main(argv: list[str]) -> None:
-    from aligner.servers.config import load_resolved_serve_config
-
     run(load_resolved_serve_config(argv[0], "critic"))
 
 
 def run(cfg) -> None:
-    from aligner.servers.protocol import CRITIC_SAVE, CRITIC_TRAIN, TRAIN_MAX_ROWS, check_float_like, \
-        critic_infer_endpoint, reward_endpoint
-    from aligner.servers.triton import Binding
-
     init_job(cfg)
     critic = Critic(cfg)
     job = Job() if torch.distributed.get_rank() == 0 else None
@@ -204,8 +202,6 @@ def run(cfg) -> None:
     }
 
     def bindings():
-        from aligner.servers.protocol import RequestError, check_tokens
-
         longest = max_length(cfg, critic.model_cfg)
         tokenizer = load_server_tokenizer(cfg.tokenizer, cfg.reward_checkpoint or cfg.checkpoint)
         reader = RequestReader(cfg.server.max_batch_size, longest, critic.vocab_size, tokenizer)

@@ -15,7 +15,10 @@ from aligner.models.heads import last_token_scores
 from aligner.models.scoring import build_scalar_model, forward_rows
 from aligner.servers.common import Job, RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
     max_length, run_job, split_outputs
+from aligner.servers.config import load_resolved_serve_config
 from aligner.servers.engine import REWARD
+from aligner.servers.protocol import reward_endpoint
+from aligner.servers.triton import Binding
 
 
 class RewardModel:
@@ -39,15 +42,10 @@ class RewardModel:
 
 def main(argv: list[str]) -> None:
     """One rank started by the launcher; argv = [resolved config.yaml]."""
-    from aligner.servers.config import load_resolved_serve_config
-
     run(load_resolved_serve_config(argv[0], "reward"))
 
 
 def run(cfg) -> None:
-    from aligner.servers.protocol import reward_endpoint
-    from aligner.servers.triton import Binding
-
     init_job(cfg)
     reward = RewardModel(cfg.checkpoint, cfg.parallel, cfg.server.forward_micro_batch_size)
     job = Job() if torch.distributed.get_rank() == 0 else None
