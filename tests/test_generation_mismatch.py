@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from aligner.generation.mismatch import kl, token_prob_error, truncated_is_weights
+from aligner.algorithms.mismatch import kl, token_prob_error, truncated_is_weights
 
 LN2 = math.log(2.0)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from aligner.algorithms import functional as F
+from aligner.models.forward_step import index_sums
 
 POLICY_C, POLICY_R = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])
 REF_C, REF_R = torch.tensor([-1.5, -2.0]), torch.tensor([-1.5, -2.0])
@@ -131,10 +132,10 @@ def test_sequence_sums_and_accuracy():
     values = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]], requires_grad=True)
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
     index = torch.tensor([[-1, 0, 0, 2], [1, 1, -1, -1]])  # sequence 2 shares row 0 with sequence 0 (packed)
-    sums, counts = F.sequence_sums(values, mask, index, 3)
+    sums, counts = index_sums(values, mask, index, 3)
     assert sums.tolist() == [5.0, 11.0, 4.0] and counts.tolist() == [2.0, 2.0, 1.0]
     sums.sum().backward()
     assert torch.equal(values.grad, mask)
     heads = torch.stack([values.detach(), -values.detach()], -1)  # [rows, seq, 2]: per-position vectors
-    assert F.sequence_sums(heads, mask, index, 3)[0].tolist() == [[5.0, -5.0], [11.0, -11.0], [4.0, -4.0]]
+    assert index_sums(heads, mask, index, 3)[0].tolist() == [[5.0, -5.0], [11.0, -11.0], [4.0, -4.0]]
     assert F.preference_accuracy(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])).tolist() == [1, 0, 0.5]

@@ -33,23 +33,6 @@ def token_nll_sum(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "rpo_sq", "rpo_fwd_kl", "rpo_bwd_kl")
 
 
-def sequence_sums(token_values: torch.Tensor, mask: torch.Tensor, sequence_index: torch.Tensor,
-                  num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence sums of masked token values and per-sequence masked-token counts.
-
-    mask, sequence_index: [rows, seq]; token_values: [rows, seq, *extra] (e.g. a reward head's k
-    outputs); `sequence_index` says which sequence a position belongs to (any value where `mask` is 0).
-    Several sequences may share a row (packing). Returns (sums [num_sequences, *extra] float32,
-    counts [num_sequences] float32); differentiable in `token_values`.
-    """
-    keep = mask > 0
-    index = sequence_index[keep]
-    shape = (num_sequences, *token_values.shape[mask.dim():])
-    sums = token_values.new_zeros(shape, dtype=torch.float32).index_add(0, index, token_values[keep].float())
-    counts = mask.new_zeros(num_sequences, dtype=torch.float32).index_add(0, index, mask[keep].float())
-    return sums, counts
-
-
 def preference_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """1 where chosen > rejected, 0 where it is lower, 1/2 on a tie (so a policy equal to its
     reference scores chance, 0.5, rather than 0)."""

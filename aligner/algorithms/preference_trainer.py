@@ -25,7 +25,7 @@ from aligner.data.packing import build_micro_batches
 from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
 from aligner.models.checkpoint import unwrap
-from aligner.models.gpt import use_transformer_engine
+from aligner.models import gpt
 from aligner.models.policy import build_policy
 from aligner.models.sdpa_attention import all_fused
 from aligner.models.training import wrap_for_training
@@ -145,7 +145,7 @@ def packing_enabled(cfg) -> bool:
     """Whether a run packs its batches: `data.packing` true or false, or null (auto): packed on the
     local layer spec, padded on the Transformer-Engine spec (said in the log). Packed and padded
     batches give the same results; packing only saves work."""
-    engine = use_transformer_engine(cfg.model.transformer_impl)
+    engine = gpt.use_transformer_engine(cfg.model.transformer_impl)
     if cfg.data.packing is None:
         if engine:
             log.info("data.packing=null (auto): padded batches, since the Transformer-Engine attention takes no "

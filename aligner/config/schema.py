@@ -6,10 +6,38 @@ Derived values are interpolations (`${model.seq_length}`), never repeated number
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Optional
 
 from omegaconf import MISSING
+
+
+class ParamsDtype(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class TransformerImpl(StrEnum):
+    auto = "auto"  # Transformer Engine when it imports on a GPU host, else the local spec
+    local = "local"
+    transformer_engine = "transformer_engine"
+
+
+class DataFormat(StrEnum):
+    auto = "auto"  # chat when a record has "messages", else input/output
+    chat = "chat"
+    input_output = "input_output"
+
+
+class Overlong(StrEnum):
+    truncate = "truncate"
+    drop = "drop"
+
+
+class LRScheduler(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
 
 
 @dataclass
@@ -33,8 +61,8 @@ class ModelConfig:
     add_qkv_bias: bool = False  # Qwen2
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    params_dtype: str = "float32"  # float32 | bfloat16
-    transformer_impl: str = "auto"  # auto (TE when importable on GPU) | local | transformer_engine
+    params_dtype: ParamsDtype = ParamsDtype.float32
+    transformer_impl: TransformerImpl = TransformerImpl.auto
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
@@ -51,9 +79,9 @@ class TokenizerConfig:
 class DataConfig:
     train_path: str = MISSING
     val_path: Optional[str] = None
-    format: str = "auto"  # auto | chat | input_output
+    format: DataFormat = DataFormat.auto
     max_length: int = "${model.seq_length}"  # type: ignore[assignment]
-    overlong: str = "truncate"  # truncate | drop
+    overlong: Overlong = Overlong.truncate
     shuffle: bool = True
 
 
@@ -75,7 +103,7 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     warmup_steps: int = 10
-    scheduler: str = "cosine"  # cosine | linear | constant
+    scheduler: LRScheduler = LRScheduler.cosine
     decay_steps: int = "${trainer.max_steps}"  # type: ignore[assignment]
     distributed_optimizer: bool = False
 
@@ -138,7 +166,7 @@ class SteerLMRunConfig(SFTRunConfig):
     steerlm: SteerLMConfig = field(default_factory=SteerLMConfig)
 
 
-class RMLoss(Enum):
+class RMLoss(StrEnum):
     bt = "bt"  # Bradley-Terry on (chosen, rejected) pairs
     margin_bt = "margin_bt"  # Bradley-Terry with each pair's "margin" subtracted from the reward gap
     regression = "regression"  # masked MSE on per-attribute labels (HelpSteer / SteerLM)
@@ -178,7 +206,7 @@ class ServerConfig:
 class ServeParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1  # data-parallel size = launcher.nproc_per_node / (TP x PP)
-    params_dtype: Optional[str] = None  # float32 | bfloat16; None = the checkpoint's
+    params_dtype: Optional[ParamsDtype] = None  # None = the checkpoint's
 
 
 @dataclass
@@ -235,13 +263,13 @@ class VerifierServeConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=5570))
 
 
-# ---- preference optimisation (aligner/algorithms/preference.py) ----------------------------------------
+# ---- preference optimisation (aligner/algorithms/preference_trainer.py) ----------------------------------------
 @dataclass
 class PreferenceDataConfig(PackableDataConfig):
-    overlong: str = "drop"  # drop | truncate (keeps the start; needs a response token left)
+    overlong: Overlong = Overlong.drop  # truncate keeps the start; needs a response token left
 
 
-class ReferenceMode(Enum):
+class ReferenceMode(StrEnum):
     model = "model"  # a second frozen model with the policy's layout
     cpu_swap = "cpu_swap"  # reference weights in CPU memory, copied into the policy for its forward
     precompute = "precompute"  # log-probs computed once before training, cached in <run_dir>/reference
@@ -252,7 +280,7 @@ class ReferenceConfig:
     mode: ReferenceMode = ReferenceMode.model
 
 
-class DPOLossType(Enum):
+class DPOLossType(StrEnum):
     sigmoid = "sigmoid"  # DPO; with label_smoothing: conservative DPO (cDPO)
     robust = "robust"  # robust DPO under label noise label_smoothing
     hinge = "hinge"  # SLiC

@@ -34,7 +34,7 @@ sequences of its pair; else -1), `position_ids` (the position inside its sequenc
 `blocks`.
 
 Positions: megatron's GPTModel applies rotary embeddings by row position and ignores `position_ids`
-unless it is built for explicit positions (`aligner.algorithms.preference.with_token_positions`);
+unless it is built for explicit positions (`aligner.models.policy.with_token_positions`);
 packed batches need that model, padded ones work with either.
 """
 from __future__ import annotations

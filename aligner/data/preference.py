@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aligner.data.jsonl import DataError, LoadStats, TokenizedDataset, json_type, read_jsonl
-from aligner.data.sft import adds_bos, check_messages
+from aligner.data.sft import adds_bos, check_messages, encode_text
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,6 @@ def _split_conversations(chosen: list[dict], rejected: list[dict]) -> tuple[list
     return chosen[:n], chosen[n:], rejected[n:]
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
 
 def _check_boundary(tokenizer, prompt_ids: list[int], ids: list[int], key: str) -> int:
     """The prompt must tokenize to a prefix of the whole sequence; returns the response start."""
@@ -134,8 +131,8 @@ def encode_prompt_response(tokenizer, prompt, response, key: str) -> tuple[list[
         if not response:
             raise DataError(f"'{key}' is empty; a response needs at least one character")
         bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
-        prompt_ids = bos + _encode(tokenizer, prompt)
-        ids = bos + _encode(tokenizer, prompt + response) + [tokenizer.eos_token_id]
+        prompt_ids = bos + encode_text(tokenizer, prompt)
+        ids = bos + encode_text(tokenizer, prompt + response) + [tokenizer.eos_token_id]
         return ids, _check_boundary(tokenizer, prompt_ids, ids, key)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat records need a tokenizer with a chat template, and this one has none")
@@ -148,8 +145,8 @@ def encode_prompt_response(tokenizer, prompt, response, key: str) -> tuple[list[
     if not text.startswith(prompt_text):
         raise DataError(f"'{key}': the chat template is not prefix-stable: the prompt rendered with the generation "
                         f"prompt ({prompt_text[-40:]!r} at its end) is not a prefix of the whole conversation")
-    ids = _encode(tokenizer, text)
-    return ids, _check_boundary(tokenizer, _encode(tokenizer, prompt_text), ids, key)
+    ids = encode_text(tokenizer, text)
+    return ids, _check_boundary(tokenizer, encode_text(tokenizer, prompt_text), ids, key)
 
 
 def _sides(obj: dict, fmt: str, keys: tuple[str, ...]):
@@ -188,7 +185,7 @@ def _number(obj: dict, key: str) -> float:
     return float(value)
 
 
-def tokenize_pair(obj: dict, tokenizer, fmt: str = "auto", rewards: bool = False) -> PreferencePair:
+def tokenize_preference_pair(obj: dict, tokenizer, fmt: str = "auto", rewards: bool = False) -> PreferencePair:
     prompt, (chosen, rejected) = _sides(obj, fmt, ("chosen", "rejected"))
     chosen_ids, chosen_start = encode_prompt_response(tokenizer, prompt, chosen, "chosen")
     rejected_ids, rejected_start = encode_prompt_response(tokenizer, prompt, rejected, "rejected")
@@ -246,7 +243,7 @@ def load_preference_dataset(path: str | Path, tokenizer, fmt: str = "auto", max_
     for line_no, obj in read_jsonl(path):
         records += 1
         try:
-            pair = tokenize_pair(obj, tokenizer, fmt, rewards)
+            pair = tokenize_preference_pair(obj, tokenizer, fmt, rewards)
         except DataError as e:
             raise DataError(f"{path}:{line_no}: {e}") from None
         chosen = _fit(pair.chosen, pair.chosen_start, max_length, overlong)

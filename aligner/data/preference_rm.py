@@ -96,7 +96,7 @@ def _encode_side(side, tokenizer) -> list[int]:
     return encode_for_reward(tokenizer, side if isinstance(side, str) else _render(tokenizer, side))
 
 
-def tokenize_pair(obj: dict, tokenizer, fmt: str = "auto") -> PairSample:
+def tokenize_reward_pair(obj: dict, tokenizer, fmt: str = "auto") -> PairSample:
     margin = obj.get("margin", 0.0)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
         raise DataError(f"expected 'margin' to be a finite number, got {json.dumps(margin)}")
@@ -156,7 +156,7 @@ def load_rm_dataset(path: str | Path, tokenizer, kind: str = "pairs", attributes
     for line_no, obj in read_jsonl(path):
         records += 1
         try:
-            sample = (tokenize_pair(obj, tokenizer, fmt) if kind == "pairs"
+            sample = (tokenize_reward_pair(obj, tokenizer, fmt) if kind == "pairs"
                       else tokenize_regression(obj, tokenizer, attributes, fmt))
         except DataError as e:
             raise DataError(f"{path}:{line_no}: {e}") from None

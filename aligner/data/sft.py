@@ -35,7 +35,7 @@ class Sample:
 
 
 # ---- tokenization ----------------------------------------------------------------------------------
-def _encode(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -54,7 +54,7 @@ def tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int]
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
     full_text = _render(tokenizer, messages, False)
-    ids = _encode(tokenizer, full_text)
+    ids = encode_text(tokenizer, full_text)
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -71,7 +71,7 @@ def tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int]
         if not full_text.startswith(turn_text):
             raise DataError(f"the chat template is not prefix-stable at messages[{i}]: later messages change how "
                             f"the conversation through messages[{i}] is rendered")
-        prompt, turn = _encode(tokenizer, prompt_text), _encode(tokenizer, turn_text)
+        prompt, turn = encode_text(tokenizer, prompt_text), encode_text(tokenizer, turn_text)
         if turn[:len(prompt)] != prompt or ids[:len(turn)] != turn:
             raise DataError(f"the tokenization is not prefix-stable at messages[{i}]: tokens merge across the start "
                             f"or end of the assistant turn ({prompt_text[-40:]!r} ends the prompt)")
@@ -86,8 +86,8 @@ def adds_bos(tokenizer) -> bool:
 
 def tokenize_input_output(input: str, output: str, tokenizer) -> tuple[list[int], list[int]]:
     """`(ids, loss_mask)` = `[bos] + enc(input) + enc(output) + [eos]`, mask 1 on the output and the eos."""
-    prompt = ([tokenizer.bos_token_id] if adds_bos(tokenizer) else []) + _encode(tokenizer, input)
-    answer = _encode(tokenizer, output) + [tokenizer.eos_token_id]
+    prompt = ([tokenizer.bos_token_id] if adds_bos(tokenizer) else []) + encode_text(tokenizer, input)
+    answer = encode_text(tokenizer, output) + [tokenizer.eos_token_id]
     return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
 

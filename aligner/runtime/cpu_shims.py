@@ -1,9 +1,28 @@
 """The megatron-core shims that make its CUDA-assuming code run on a CPU-only torch.
 
-Each shim is documented in `shared/notes/megatron-core-cpu.md` (ids P1-P10). They are applied
-once per process by `apply()`, and only when CUDA is absent, so the GPU path is untouched.
-We never edit megatron-core's files; every shim replaces a `torch.cuda` entry point, or one
-megatron function, with its CPU meaning.
+They are applied once per process by `apply()`, and only when CUDA is absent, so the GPU path is
+untouched. We never edit megatron-core's files; every shim replaces a `torch.cuda` entry point, or one
+megatron function, with its CPU meaning. What each works around (megatron-core 0.16.1):
+* P1 `torch.cuda.current_device`: buffers allocated on `torch.cuda.current_device()`:
+  `core/utils.py` GlobalMemoryBuffer.get_tensor (every DotProductAttention forward),
+  `rotary_pos_embedding.py` RotaryEmbedding.get_emb, the tensor-parallel mappings, the pipeline's
+  p2p receive buffers and the DDP gradient buffers (`param_and_grad_buffer.py`).
+* P2 the CUDA RNG calls: `tensor_parallel/random.py` model_parallel_cuda_manual_seed ->
+  CudaRNGStatesTracker.add, and `get_cuda_rng_tracker().fork()` in every DotProductAttention forward.
+* P3 `torch.cuda.synchronize`: `pipeline_parallel/p2p_communication.py` after batched isend/irecv
+  (batch_p2p_sync), and `dist_checkpointing/strategies/filesystem_async.py` preload_tensors.
+* P4 `device="cuda"` literals and `.cuda()`: `pipeline_parallel/schedules.py` (total_num_tokens in
+  every schedule), `models/common/language_module/language_module.py` (tied embeddings under PP),
+  the optimizer and `optimizer/clip_grads.py` buffers, inference's text_generation_controller.
+* P6 the optimizers dispatch on `t.type() == "torch.cuda.FloatTensor"`: `optimizer/distrib_optimizer.py`
+  (wrapped parameter types), `optimizer/optimizer.py`, and the assert in `optimizer/clip_grads.py`
+  clip_grad_by_total_norm_fp32.
+* P7 `torch.cuda.Event`: `inference/text_generation_controllers/text_generation_controller.py` times
+  each decode step with CUDA events.
+* P8 `pin_memory=True`: `models/common/embeddings/rope_utils.py` get_pos_emb_on_this_cp_rank (CP > 1).
+* P9 `torch.cuda.current_stream`: `param_and_grad_buffer.py` start_grad_sync (from megatron-core 0.19).
+* P10 `transformer/torch_norm.py` WrappedTorchNorm asserts `not config.sequence_parallel`: only the
+  apex/TE norms support sequence parallelism upstream.
 """
 from __future__ import annotations
 

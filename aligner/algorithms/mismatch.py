@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import torch
 
+from aligner.algorithms.functional import masked_mean
+
 
 def _mask(trainer: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return torch.ones_like(trainer, dtype=torch.bool) if mask is None else mask.bool()
-
-
-def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
 def token_prob_error(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """mean over response tokens of exp(|log p - log q|); 1.0 means the two agree exactly."""
     m = _mask(trainer, mask)
     delta = torch.where(m, trainer - engine, torch.zeros_like(trainer))
-    return _token_mean(delta.abs().exp(), m)
+    return masked_mean(delta.abs().exp(), m)
 
 
 def kl(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor | None = None,
@@ -41,7 +39,7 @@ def kl(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor | None = 
         values = torch.expm1(log_r) - log_r
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1' or 'k3'")
-    return _token_mean(values, m)
+    return masked_mean(values, m)
 
 
 def truncated_is_weights(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor | None = None,
