@@ -45,3 +45,17 @@ def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_jsonl_lines(path, lines):
+    """Write `lines` to `path`, one per line: strings as they are (malformed lines too), the rest as JSON."""
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_assets):
+    """The tiny example's 512-token BPE tokenizer."""
+    from aligner.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_assets / "tokenizer")

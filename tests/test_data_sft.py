@@ -7,6 +7,7 @@ import pytest
 from aligner.data import (DataError, build_tiny_tokenizer, detect_format, load_sft_dataset, load_tokenizer,
                           read_jsonl, tokenize_chat, tokenize_input_output)
 from aligner.data import synthetic
+from tests.conftest import write_jsonl_lines
 
 LLAMA3_STYLE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -44,21 +45,16 @@ def masked_runs(tok, ids, mask):
     return [tok.decode(r) for r in runs + ([current] if current else [])]
 
 
-def write_lines(path, lines):
-    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
-    return path
-
-
 # ---- jsonl -----------------------------------------------------------------------------------------
 def test_read_jsonl_skips_blank_lines(tmp_path):
-    path = write_lines(tmp_path / "a.jsonl", [{"a": 1}, "", "   ", {"b": 2}])
+    path = write_jsonl_lines(tmp_path / "a.jsonl", [{"a": 1}, "", "   ", {"b": 2}])
     assert list(read_jsonl(path)) == [(1, {"a": 1}), (4, {"b": 2})]
 
 
 @pytest.mark.parametrize("line,expected", [("{bad json", "invalid JSON"), ("[1, 2]", "got an array"),
                                            ('"text"', "got a string"), ("3", "got a number")])
 def test_read_jsonl_errors_name_file_and_line(tmp_path, line, expected):
-    path = write_lines(tmp_path / "a.jsonl", [{"a": 1}, "", line])
+    path = write_jsonl_lines(tmp_path / "a.jsonl", [{"a": 1}, "", line])
     with pytest.raises(DataError, match=expected) as e:
         list(read_jsonl(path))
     assert str(e.value).startswith(f"{path}:3: expected ")
@@ -166,7 +162,7 @@ def test_detect_format():
 
 # ---- load_sft_dataset ------------------------------------------------------------------------------
 def test_load_mixed_formats(tok, tmp_path):
-    path = write_lines(tmp_path / "train.jsonl", [{"messages": CHAT}, "", {"input": "12+7=", "output": "19"}])
+    path = write_jsonl_lines(tmp_path / "train.jsonl", [{"messages": CHAT}, "", {"input": "12+7=", "output": "19"}])
     data = load_sft_dataset(path, tok)
     assert len(data) == 2 and data.stats.records == 2
     assert (data[0].ids, data[0].loss_mask) == tokenize_chat(CHAT, tok)
@@ -190,7 +186,7 @@ def test_load_mixed_formats(tok, tmp_path):
 ])
 def test_invalid_records_name_file_and_line(tok, tmp_path, record, fmt, expected):
     good = {"input": "1+1=", "output": "2"} if fmt == "input_output" else {"messages": CHAT}
-    path = write_lines(tmp_path / "train.jsonl", [good, record])
+    path = write_jsonl_lines(tmp_path / "train.jsonl", [good, record])
     with pytest.raises(DataError, match=expected) as e:
         load_sft_dataset(path, tok, fmt=fmt)
     assert str(e.value).startswith(f"{path}:2: ")
@@ -199,7 +195,7 @@ def test_invalid_records_name_file_and_line(tok, tmp_path, record, fmt, expected
 def test_chat_needs_a_template(tiny_dir, tmp_path):
     tok = load_tokenizer(tiny_dir)
     tok.chat_template = None
-    path = write_lines(tmp_path / "train.jsonl", [{"messages": CHAT}])
+    path = write_jsonl_lines(tmp_path / "train.jsonl", [{"messages": CHAT}])
     with pytest.raises(DataError, match=f"^{path}:1: .*chat template"):
         load_sft_dataset(path, tok)
 
@@ -208,7 +204,7 @@ def test_overlong_truncate_and_drop(tok, tmp_path, caplog):
     short = {"input": "1+1=", "output": "2"}
     long_output = {"input": "1+1=", "output": " ".join(str(i) for i in range(30))}
     long_input = {"input": "What is " * 30, "output": "2"}  # cut before the output: nothing left to learn
-    path = write_lines(tmp_path / "train.jsonl", [short, long_output, long_input])
+    path = write_jsonl_lines(tmp_path / "train.jsonl", [short, long_output, long_input])
     max_length = 12
     assert len(tokenize_input_output(short["input"], short["output"], tok)[0]) <= max_length
     with caplog.at_level(logging.INFO, logger="aligner.data.sft"):
@@ -224,7 +220,7 @@ def test_overlong_truncate_and_drop(tok, tmp_path, caplog):
 
 
 def test_no_usable_samples(tok, tmp_path):
-    path = write_lines(tmp_path / "train.jsonl", [{"input": "What is " * 30, "output": "2"}])
+    path = write_jsonl_lines(tmp_path / "train.jsonl", [{"input": "What is " * 30, "output": "2"}])
     with pytest.raises(DataError, match="none of its 1 records"):
         load_sft_dataset(path, tok, max_length=8)
 

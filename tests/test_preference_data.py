@@ -7,18 +7,7 @@ import pytest
 from aligner.data.jsonl import DataError
 from aligner.data.preference import (load_preference_dataset, load_unpaired_dataset, synthetic_preferences,
                                      synthetic_unpaired, write_jsonl)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_assets):
-    from aligner.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_assets / "tokenizer")
-
-
-def _write(path, records):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
+from tests.conftest import write_jsonl_lines
 
 
 def _enc(tokenizer, text):
@@ -26,7 +15,7 @@ def _enc(tokenizer, text):
 
 
 def test_text_pairs(tokenizer, tmp_path):
-    path = _write(tmp_path / "p.jsonl", [{"prompt": "What is 3+4?", "chosen": " 7", "rejected": " 8"}])
+    path = write_jsonl_lines(tmp_path / "p.jsonl", [{"prompt": "What is 3+4?", "chosen": " 7", "rejected": " 8"}])
     pair = load_preference_dataset(path, tokenizer)[0]
     prompt = _enc(tokenizer, "What is 3+4?")
     assert pair.chosen == _enc(tokenizer, "What is 3+4? 7") + [tokenizer.eos_token_id]
@@ -40,7 +29,7 @@ def test_chat_pairs_and_implicit_prompt(tokenizer, tmp_path):
     explicit = {"prompt": [user], "chosen": "7", "rejected": [{"role": "assistant", "content": "8"}]}
     whole = {"chosen": [user, {"role": "assistant", "content": "7"}],
              "rejected": [user, {"role": "assistant", "content": "8"}]}
-    a, b = load_preference_dataset(_write(tmp_path / "c.jsonl", [explicit, whole]), tokenizer)
+    a, b = load_preference_dataset(write_jsonl_lines(tmp_path / "c.jsonl", [explicit, whole]), tokenizer)
     assert a == b
     assert tokenizer.decode(a.chosen) == "<|user|>What is 3+4?<eos><|assistant|>7<eos>"
     assert tokenizer.decode(a.chosen[a.chosen_start:]) == "7<eos>"  # the template closes the turn
@@ -48,17 +37,17 @@ def test_chat_pairs_and_implicit_prompt(tokenizer, tmp_path):
 
 def test_rewards_for_reward_aware_losses(tokenizer, tmp_path):
     record = {"prompt": "Q: ", "chosen": "a", "rejected": "b", "chosen_reward": 2, "rejected_reward": -1.5}
-    pair = load_preference_dataset(_write(tmp_path / "r.jsonl", [record]), tokenizer, rewards=True)[0]
+    pair = load_preference_dataset(write_jsonl_lines(tmp_path / "r.jsonl", [record]), tokenizer, rewards=True)[0]
     assert (pair.chosen_reward, pair.rejected_reward) == (2.0, -1.5)
     del record["rejected_reward"]
     with pytest.raises(DataError, match=r"r2.jsonl:1: expected 'rejected_reward' to be a finite number"):
-        load_preference_dataset(_write(tmp_path / "r2.jsonl", [record]), tokenizer, rewards=True)
+        load_preference_dataset(write_jsonl_lines(tmp_path / "r2.jsonl", [record]), tokenizer, rewards=True)
 
 
 def test_a_merge_across_the_prompt_boundary_is_reported(tokenizer, tmp_path):
     # the tiny BPE has one token for every number 0..99, so "What is 1" + "2" encodes "12" as one token
     assert len(_enc(tokenizer, "12")) == 1
-    path = _write(tmp_path / "m.jsonl", [{"prompt": "What is 3+4?", "chosen": " 7", "rejected": " 8"},
+    path = write_jsonl_lines(tmp_path / "m.jsonl", [{"prompt": "What is 3+4?", "chosen": " 7", "rejected": " 8"},
                                          {"prompt": "What is 1", "chosen": "2", "rejected": "3"}])
     with pytest.raises(DataError, match=r"m.jsonl:2: 'chosen': the tokenizer merges the end of the prompt with "
                                         r"the start of the response.*= ' 1', but the whole sequence has .* = ' 12"):
@@ -79,27 +68,27 @@ def test_a_merge_across_the_prompt_boundary_is_reported(tokenizer, tmp_path):
      "must start with an assistant message"),
 ])
 def test_bad_records_fail_with_file_and_line(tokenizer, tmp_path, record, message):
-    path = _write(tmp_path / "bad.jsonl", [{"prompt": "Q ", "chosen": "a", "rejected": "b"}, record])
+    path = write_jsonl_lines(tmp_path / "bad.jsonl", [{"prompt": "Q ", "chosen": "a", "rejected": "b"}, record])
     with pytest.raises(DataError, match=rf"bad.jsonl:2: .*({message})"):
         load_preference_dataset(path, tokenizer)
 
 
 def test_format_is_enforced(tokenizer, tmp_path):
-    path = _write(tmp_path / "t.jsonl", [{"prompt": "Q ", "chosen": "a", "rejected": "b"}])
+    path = write_jsonl_lines(tmp_path / "t.jsonl", [{"prompt": "Q ", "chosen": "a", "rejected": "b"}])
     with pytest.raises(DataError, match="t.jsonl:1: data.format=chat expects 'prompt' to be a message list"):
         load_preference_dataset(path, tokenizer, fmt="chat")
 
 
 def test_overlong_pairs_are_dropped_or_truncated(tokenizer, tmp_path):
     long = " 1+2+3+4+5+6+7+8+9"
-    path = _write(tmp_path / "o.jsonl", [{"prompt": "Q:", "chosen": long, "rejected": " 9" + long[2:]},
+    path = write_jsonl_lines(tmp_path / "o.jsonl", [{"prompt": "Q:", "chosen": long, "rejected": " 9" + long[2:]},
                                          {"prompt": "Q ", "chosen": "a", "rejected": "b"}])
     dropped = load_preference_dataset(path, tokenizer, max_length=8)
     assert len(dropped) == 1 and dropped.stats.dropped == 1
     truncated = load_preference_dataset(path, tokenizer, max_length=8, overlong="truncate")
     assert len(truncated) == 2 and truncated.stats.truncated == 1
     assert len(truncated[0].chosen) == len(truncated[0].rejected) == 8
-    same = _write(tmp_path / "same.jsonl", [{"prompt": "Q:", "chosen": long, "rejected": long + "+1"}])
+    same = write_jsonl_lines(tmp_path / "same.jsonl", [{"prompt": "Q:", "chosen": long, "rejected": long + "+1"}])
     with pytest.raises(DataError, match="none of its 1 records gave a usable sample"):
         # truncated to 8 tokens, both sides are the same: the pair no longer differs and is dropped
         load_preference_dataset(same, tokenizer, max_length=8, overlong="truncate")
@@ -107,14 +96,14 @@ def test_overlong_pairs_are_dropped_or_truncated(tokenizer, tmp_path):
 
 def test_unpaired_records_and_their_kl_partners(tokenizer, tmp_path):
     user = [{"role": "user", "content": "What is 3+4?"}]
-    path = _write(tmp_path / "k.jsonl", [{"prompt": user, "completion": "7", "label": True},
+    path = write_jsonl_lines(tmp_path / "k.jsonl", [{"prompt": user, "completion": "7", "label": True},
                                          {"prompt": "Q ", "completion": "nope", "label": False}])
     a, b = load_unpaired_dataset(path, tokenizer)
     assert a.desirable and not b.desirable
     assert tokenizer.decode(a.ids[a.start:]) == "7<eos>"
     # sample i's mismatched sequence: its own prompt + the next sample's completion
     assert a.kl_ids == a.ids[:a.start] + b.ids[b.start:] and b.kl_ids == b.ids[:b.start] + a.ids[a.start:]
-    bad = _write(tmp_path / "k2.jsonl", [{"prompt": "Q ", "completion": "x", "label": 1}])
+    bad = write_jsonl_lines(tmp_path / "k2.jsonl", [{"prompt": "Q ", "completion": "x", "label": 1}])
     with pytest.raises(DataError, match="k2.jsonl:1: expected 'label' to be true .* got 1"):
         load_unpaired_dataset(bad, tokenizer)
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import read_metrics, run_cli, write_jsonl_lines
 
 
 # ---- pure losses -----------------------------------------------------------------------------------
@@ -61,18 +61,6 @@ def test_sequence_scores_read_the_last_token():
 
 
 # ---- data ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def tokenizer(tiny_assets):
-    from aligner.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_assets / "tokenizer")
-
-
-def _write(path, records):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
-
 def test_pair_formats_tokenize_alike(tokenizer, tmp_path):
     from aligner.data.preference_rm import encode_for_reward, load_rm_dataset
 
@@ -82,7 +70,7 @@ def test_pair_formats_tokenize_alike(tokenizer, tmp_path):
         {"prompt": user, "chosen": "5", "rejected": "6"},
         {"chosen": user + [{"role": "assistant", "content": "5"}], "rejected": user + [{"role": "assistant", "content": "6"}]},
     ]
-    data = load_rm_dataset(_write(tmp_path / "p.jsonl", records), tokenizer, "pairs")
+    data = load_rm_dataset(write_jsonl_lines(tmp_path / "p.jsonl", records), tokenizer, "pairs")
     text, chat, conversation = data.samples
     assert text.chosen == encode_for_reward(tokenizer, "2+3=5") and text.margin == 2.0
     assert text.chosen[-1] == tokenizer.eos_token_id
@@ -101,7 +89,7 @@ def test_regression_labels_and_masks(tokenizer, tmp_path):
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "c"}], "labels": [None, 4]},
         {"prompt": "q", "response": "d", "labels": {}},  # nothing labelled: dropped
     ]
-    data = load_rm_dataset(_write(tmp_path / "r.jsonl", records), tokenizer, "regression",
+    data = load_rm_dataset(write_jsonl_lines(tmp_path / "r.jsonl", records), tokenizer, "regression",
                            ["helpfulness", "correctness"])
     assert [(s.labels, s.label_mask) for s in data.samples] == [
         ([3.0, 0.0], [1.0, 0.0]), ([1.0, 2.5], [1.0, 1.0]), ([0.0, 4.0], [0.0, 1.0])]
@@ -118,7 +106,7 @@ def test_bad_pairs_name_file_and_line(tokenizer, tmp_path, record, message):
     from aligner.data.jsonl import DataError
     from aligner.data.preference_rm import load_rm_dataset
 
-    path = _write(tmp_path / "bad.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}, record])
+    path = write_jsonl_lines(tmp_path / "bad.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}, record])
     with pytest.raises(DataError, match=f"{path}:2: .*{message}"):
         load_rm_dataset(path, tokenizer, "pairs")
 
@@ -126,7 +114,7 @@ def test_bad_pairs_name_file_and_line(tokenizer, tmp_path, record, message):
 def test_overlong_pairs_are_dropped_or_truncated(tokenizer, tmp_path):
     from aligner.data.preference_rm import load_rm_dataset
 
-    path = _write(tmp_path / "long.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"},
+    path = write_jsonl_lines(tmp_path / "long.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"},
                                             {"prompt": "q" * 50, "chosen": "a", "rejected": "b"}])
     assert len(load_rm_dataset(path, tokenizer, "pairs", max_length=8)) == 1
     kept = load_rm_dataset(path, tokenizer, "pairs", max_length=8, overlong="truncate")
@@ -239,7 +227,7 @@ def test_regression_rm_learns_and_rejects_bad_config(tiny_assets, tmp_path):
         answer = int(p["answer"])
         records.append({"prompt": p["question"], "response": p["answer"],
                         "labels": {"value": answer / 10, "parity": 1.0 if answer % 2 else None}})
-    data = _write(tmp_path / "reg.jsonl", records)
+    data = write_jsonl_lines(tmp_path / "reg.jsonl", records)
     run_dir = tmp_path / "reg"
     args = ["train", "rm", f"run_dir={run_dir}", f"data.train_path={data}", f"tokenizer.path={tiny_assets / 'tokenizer'}",
             "logging.progress=false", "logging.tensorboard=false", "trainer.max_steps=20", "trainer.global_batch_size=32",

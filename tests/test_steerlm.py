@@ -14,13 +14,6 @@ from tests.conftest import run_cli
 NAMES = ["helpfulness", "verbosity"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_assets):
-    from aligner.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_assets / "tokenizer")
-
-
 # ---- the condition -----------------------------------------------------------------------------------
 def test_condition_goes_after_bos_and_outside_the_loss(tokenizer):
     from aligner.data.steerlm import condition_ids, condition_text, insert_condition

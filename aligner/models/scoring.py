@@ -89,7 +89,8 @@ def score_rank(model_dir, inputs_path, out_path, batch_size="8", *, tp: int, pp:
     def next_token_logprobs(logits, local):  # log p(tokens[i+1] | tokens[:i+1]): the last position has no label
         return vocab_parallel_logprobs(logits[:, :-1], local["tokens"][:, 1:], vocab)
 
-    step = make_forward_step(next_token_logprobs, collect(lambda logprobs, local, batch: logprobs.float().cpu()))
+    forward_step = make_forward_step(next_token_logprobs,
+                                     collect(lambda logprobs, local, batch: logprobs.float().cpu()))
 
     batch_size = int(batch_size)
     for start in range(0, len(order), batch_size):
@@ -102,7 +103,7 @@ def score_rank(model_dir, inputs_path, out_path, batch_size="8", *, tp: int, pp:
         step = 1 if pp > 1 else len(index)
         micro = [{"tokens": tokens[j:j + step]} for j in range(0, len(index), step)]
         with torch.no_grad():
-            outputs = run_micro_batches(model, step, micro, length, forward_only=True)
+            outputs = run_micro_batches(model, forward_step, micro, length, forward_only=True)
         if outputs:
             table = torch.cat([o["out"] for o in outputs])
             for row, i in enumerate(index):
@@ -172,8 +173,8 @@ def forward_rows(model, tokens: torch.Tensor, lengths: torch.Tensor, micro_batch
     tokens, lengths = _pad_to_rows(tokens, total), _pad_to_rows(lengths, total, 1)
     mine = slice(ps.get_data_parallel_rank() * per_rank, (ps.get_data_parallel_rank() + 1) * per_rank)
     micro = [{"tokens": tokens[mine][i:i + mbs], "lengths": lengths[mine][i:i + mbs]} for i in range(0, per_rank, mbs)]
-    step = make_forward_step(head_values, collect(lambda values, local, batch: head(values, batch["lengths"])))
-    outputs = run_micro_batches(model, step, micro, width, forward_only=True)
+    forward_step = make_forward_step(head_values, collect(lambda values, local, batch: head(values, batch["lengths"])))
+    outputs = run_micro_batches(model, forward_step, micro, width, forward_only=True)
     local = torch.cat([o["out"] for o in outputs]) if outputs else None
     full = _to_rank0(local, mine, total, trailing, tokens.device)
     return None if full is None else full[:rows]
