@@ -1,5 +1,7 @@
-"""Shared fixtures: the tiny tokenizer and synthetic data, built once per test session, and a
-helper that runs the `aligner` CLI in a subprocess (each run gets a clean process, like a user's)."""
+"""Shared fixtures and helpers (test modules import the helpers as `from tests.conftest import ...`):
+the tiny tokenizers and synthetic data, built once per test session; running the `aligner` CLI in a
+subprocess (each run gets a clean process, like a user's) and reading its metrics; a tiny model on
+this one process."""
 from __future__ import annotations
 
 import json
@@ -25,7 +27,8 @@ def tiny_assets(tmp_path_factory):
     return root
 
 
-def _cli_env(env: dict | None) -> dict:
+def cli_env(env: dict | None = None) -> dict:
+    """The environment of a CLI subprocess: this one, one OpenMP thread, no torchrun rank variables, then `env`."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(var, None)
@@ -33,18 +36,31 @@ def _cli_env(env: dict | None) -> dict:
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=_cli_env(env),
+    return subprocess.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=cli_env(env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def assert_cli_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     """`run_cli` without waiting (stdout and stderr piped, text)."""
-    return subprocess.Popen([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=_cli_env(env),
+    return subprocess.Popen([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=cli_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_metrics_match_by_step(metrics: list[dict], reference, keys) -> None:
+    """Every record of `metrics` has exactly the `keys` values of the `reference` record of its step
+    (`reference`: a list of metrics records, or a dict of them by step)."""
+    by_step = reference if isinstance(reference, dict) else {m["step"]: m for m in reference}
+    for m in metrics:
+        for key in keys:
+            assert m[key] == by_step[m["step"]][key], (m["step"], key, m[key], by_step[m["step"]][key])
 
 
 def write_jsonl_lines(path, lines):
@@ -59,3 +75,49 @@ def tokenizer(tiny_assets):
     from aligner.data.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_assets / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer_dir(tmp_path_factory):
+    """A tiny BPE tokenizer of its own (trained on 300 synthetic texts), for the tokenizer and data tests."""
+    from aligner.data.synthetic import corpus
+    from aligner.data.tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(corpus(300, seed=0), tmp_path_factory.mktemp("tiny_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(small_tokenizer_dir):
+    from aligner.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(small_tokenizer_dir)
+
+
+def plain_token_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of `text` alone (no special tokens added)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def init_single_process() -> None:
+    """This process as a world of one: a gloo process group and megatron's parallel state (TP=PP=CP=1)."""
+    from aligner.runtime import distributed
+
+    distributed.init_process_group()
+    distributed.init_model_parallel()
+
+
+def build_single_process_gpt(seed: int, *, policy: bool = False, vocab_size: int = 300, **model_fields):
+    """A GPT of the default (tiny) ModelConfig with `model_fields` set, built on this process as a world
+    of one, its weights drawn from `seed`; `policy`: `build_policy` (explicit positions) instead of `build_gpt`."""
+    from omegaconf import OmegaConf
+
+    from aligner.config.schema import ModelConfig
+    from aligner.models.gpt import build_gpt
+    from aligner.models.policy import build_policy
+    from aligner.runtime.seeding import seed_everything
+
+    init_single_process()
+    seed_everything(seed)
+    cfg = OmegaConf.structured(ModelConfig)
+    cfg.update(model_fields)
+    return (build_policy if policy else build_gpt)(cfg, vocab_size)

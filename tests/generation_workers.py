@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from tests.parity_worker import global_name, my_shard_of
+
 VOCAB = 500  # padded to 512 at TP=1 and TP=2
 PROMPT_LENGTHS = (3, 9, 1, 14, 6)
 MAX_NEW = 10
@@ -50,31 +52,10 @@ def setup(tp: int, pp: int, **fields):
 
 
 # ------------------------------------------------------------------------------------------ weights
-def global_name(name: str, m) -> str:
-    from aligner.models.gpt import layer_offset
-
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(int(parts[2]) + layer_offset(m))
-    return ".".join(parts)
-
-
-def shard(full: torch.Tensor, param, name: str) -> torch.Tensor:
-    """This TP rank's part of a TP=1 tensor (fc1 holds [gate_r; up_r])."""
-    from megatron.core import parallel_state as ps
-
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return full
-    if name.endswith("linear_fc1.weight"):
-        return torch.cat([half.chunk(tp, 0)[rank] for half in full.chunk(2, 0)])
-    return full.chunk(tp, dim=param.partition_dim)[rank]
-
-
 @torch.no_grad()
 def load_full_state(model, m, state: dict) -> None:
     for name, p in model.named_parameters():
-        p.copy_(shard(state[global_name(name, m)], p, name))
+        p.copy_(my_shard_of(name, state[global_name(name, m)], p))
 
 
 # ------------------------------------------------------------------------------------- references

@@ -2,6 +2,7 @@
 `aligner.launch.local.launch` (run as `tests.hf_workers:<function>`)."""
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 
@@ -52,11 +53,17 @@ def make_hf_model(kind: str, path, seed: int = 0, max_shard_size=None, **overrid
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(kind, **overrides), dtype=torch.float32).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    return randomize_and_save(model, path, **kwargs)
+
+
+def randomize_and_save(model, path, **save_kwargs):
+    """Draw `model`'s weights from torch's global generator (norms around 1, the rest around 0), save it
+    as safetensors with a `make_tokenizer` tokenizer, and return it."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(path), **kwargs)
+    model.save_pretrained(str(path), **save_kwargs)
     make_tokenizer(path)
     return model
 
@@ -64,6 +71,18 @@ def make_hf_model(kind: str, path, seed: int = 0, max_shard_size=None, **overrid
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()
+
+
+def hf_token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """log p(ids[0, t] | ids[0, :t]) for t >= 1 under a causal LM, from one sequence `ids` [1, length]."""
+    return torch.log_softmax(hf_logits(model, ids), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def load_safetensors_dir(path) -> dict:
+    """Every tensor of the *.safetensors files in `path` (an HF model directory, one shard or several)."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in glob.glob(str(Path(path) / "*.safetensors")) for k, v in load_file(f).items()}
 
 
 # ---------------------------------------------------------------------------------------------

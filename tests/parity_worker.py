@@ -1,4 +1,6 @@
-"""Rank entry points for the parallelism parity tests (launched by tests/test_parallel_parity.py).
+"""Rank entry points for the parallelism parity tests (launched by tests/test_parallel_parity.py), and
+the helpers that compare a parallel layout's tensors with a TP=1 run's (also used by the preference and
+generation rank entry points).
 
 `reference`: one process, TP=PP=CP=DP=1. Saves initial weights as a checkpoint, then the logits,
 per-token loss and every gradient of one forward/backward on a fixed batch, and the parameters
@@ -32,6 +34,11 @@ def make_config(layout: dict):
     cfg.model.num_query_groups = 2  # exercise GQA
     cfg.model.seq_length = LENGTH
     cfg.optim.warmup_steps, cfg.optim.scheduler, cfg.optim.lr = 0, "constant", 1e-3
+    return with_layout(cfg, layout)
+
+
+def with_layout(cfg, layout: dict):
+    """A resolved copy of run config `cfg` with `layout`'s dotted keys set (e.g. model.tensor_model_parallel_size)."""
     for key, value in layout.items():
         OmegaConf.update(cfg, key, value)
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
@@ -50,12 +57,13 @@ def my_shard_of(name: str, full: torch.Tensor, param) -> torch.Tensor:
     return full.chunk(tp, dim=param.partition_dim)[r]
 
 
-def global_name(name: str, cfg) -> str:
+def global_name(name: str, model_cfg) -> str:
+    """A parameter's name in the whole model: this pipeline stage's layer numbers offset to the global ones."""
     from aligner.models.gpt import layer_offset
 
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(int(parts[2]) + layer_offset(cfg.model))
+        parts[2] = str(int(parts[2]) + layer_offset(model_cfg))
     return ".".join(parts)
 
 
@@ -131,13 +139,13 @@ def run(mode: str, workdir: Path, layout: dict) -> None:
     forward_step = sft_forward_step(VOCAB)
     sums = forward_backward(model, optimizer, forward_step, micro, LENGTH)
     result["loss"] = sums["loss"] / sums["count"]
-    result["grads"] = {global_name(n, cfg): p.main_grad.detach().clone() for n, p in gpt.named_parameters()}
+    result["grads"] = {global_name(n, m): p.main_grad.detach().clone() for n, p in gpt.named_parameters()}
     # two optimizer steps
     for step in range(STEPS):
         if step:  # same order as Trainer.train_step
             forward_backward(model, optimizer, forward_step, micro, LENGTH)
         optimizer.step()
-    result["params"] = {global_name(n, cfg): p.detach().clone() for n, p in gpt.named_parameters()}
+    result["params"] = {global_name(n, m): p.detach().clone() for n, p in gpt.named_parameters()}
 
     if mode == "reference":
         torch.save(result, workdir / "reference.pt")

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from tests.parity_worker import global_name, my_shard_of, with_layout
+
 STEPS = 2
 CASES = {  # name -> (algorithm, packed, reference mode)
     "dpo": ("dpo", False, "model"),
@@ -47,9 +49,7 @@ def make_config(workdir: Path, tokenizer: str, algorithm: str, packed: bool, mod
         cfg.dpo.beta, cfg.dpo.sft_weight = 0.5, 0.1
     else:
         cfg.kto.beta, cfg.kto.undesirable_weight = 0.5, 1.5
-    for key, value in layout.items():
-        OmegaConf.update(cfg, key, value)
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    return with_layout(cfg, layout)
 
 
 def write_data(workdir: Path) -> None:
@@ -73,7 +73,6 @@ def run_case(workdir: Path, tokenizer_path: str, case: str, layout: dict, mode: 
     from aligner.models.training import wrap_for_training
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
-    from tests.parity_worker import global_name
 
     algorithm_name, case_packed, case_mode = CASES[case]
     mode = mode or case_mode
@@ -104,9 +103,9 @@ def run_case(workdir: Path, tokenizer_path: str, case: str, layout: dict, mode: 
     for step in range(STEPS):
         result["metrics"].append({k: v for k, v in trainer.train_step().items() if k in METRICS[algorithm_name]})
         if step == 0:
-            result["grads"] = {global_name(n, cfg): p.main_grad.detach().clone() for n, p in gpt.named_parameters()}
-    result["params"] = {global_name(n, cfg): p.detach().clone() for n, p in gpt.named_parameters()}
-    result["param_objects"] = {global_name(n, cfg): p for n, p in gpt.named_parameters()}
+            result["grads"] = {global_name(n, m): p.main_grad.detach().clone() for n, p in gpt.named_parameters()}
+    result["params"] = {global_name(n, m): p.detach().clone() for n, p in gpt.named_parameters()}
+    result["param_objects"] = {global_name(n, m): p for n, p in gpt.named_parameters()}
     return result
 
 
@@ -139,7 +138,6 @@ def reference(workdir: Path, tokenizer_path: str) -> None:
 
 def parallel(workdir: Path, tokenizer_path: str, layouts: dict) -> None:
     from aligner.runtime import distributed
-    from tests.parity_worker import my_shard_of
 
     distributed.init_process_group()
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Helpers for the server tests and the reward-server benchmark: free port blocks, small reward
-checkpoints, leftover accounting."""
+checkpoints (also for the reward-model tests), leftover accounting."""
 from __future__ import annotations
 
 import glob
@@ -10,8 +10,11 @@ from aligner.servers.process import free_port_block
 __all__ = ["free_port_block", "make_reward_checkpoint", "triton_model_dirs", "triton_scratch_dirs"]
 
 
-def make_reward_checkpoint(out, tokenizer_dir, num_outputs: int = 1, seed: int = 0, attributes=None, **model) -> Path:
-    """A randomly initialised tiny reward model (the servers' tests compare scores, not quality)."""
+def make_reward_checkpoint(out, tokenizer_dir, num_outputs: int = 1, seed: int = 0, attributes=None,
+                           head_scale: list[float] | None = None, **model) -> Path:
+    """A randomly initialised tiny reward model (the servers' tests compare scores, not quality);
+    `head_scale`: one factor per output, multiplying its row of the head (to spread the scores)."""
+    import torch
     from omegaconf import OmegaConf
 
     from aligner.config.schema import ModelConfig
@@ -27,6 +30,9 @@ def make_reward_checkpoint(out, tokenizer_dir, num_outputs: int = 1, seed: int =
     with single_process():
         seed_everything(seed)
         rm = attach_scalar_head(build_gpt(cfg, len(tokenizer)), num_outputs)
+        if head_scale is not None:
+            with torch.no_grad():
+                rm.output_layer.weight.mul_(torch.tensor(head_scale)[:, None])
         checkpoint.save_checkpoint(out, rm, cfg, len(tokenizer), head="reward", tokenizer=tokenizer,
                                    extra_meta={"scalar_head": {"num_outputs": num_outputs, "attributes": attributes,
                                                                "loss": "bt" if num_outputs == 1 else "regression"}})

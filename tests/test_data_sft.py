@@ -1,13 +1,12 @@
 """JSONL reading, synthetic data, SFT tokenization (chat and input/output) and dataset loading."""
-import json
 import logging
 
 import pytest
 
-from aligner.data import (DataError, build_tiny_tokenizer, detect_format, load_sft_dataset, load_tokenizer,
-                          read_jsonl, tokenize_chat, tokenize_input_output)
+from aligner.data import (DataError, detect_format, load_sft_dataset, load_tokenizer, read_jsonl, tokenize_chat,
+                          tokenize_input_output)
 from aligner.data import synthetic
-from tests.conftest import write_jsonl_lines
+from tests.conftest import plain_token_ids, write_jsonl_lines
 
 LLAMA3_STYLE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -17,20 +16,6 @@ LLAMA3_STYLE = (
 CHAT = [{"role": "user", "content": "What is 12+7?"}, {"role": "assistant", "content": "19"}]
 MULTI = [{"role": "system", "content": "Be brief."}, *CHAT, {"role": "user", "content": "And 3*4?"},
          {"role": "assistant", "content": "12"}]
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_tokenizer(synthetic.corpus(300, seed=0), tmp_path_factory.mktemp("tiny_tokenizer"))
-
-
-@pytest.fixture(scope="session")
-def tok(tiny_dir):
-    return load_tokenizer(tiny_dir)
-
-
-def encode(tok, text):
-    return tok(text, add_special_tokens=False)["input_ids"]
 
 
 def masked_runs(tok, ids, mask):
@@ -88,26 +73,26 @@ def test_writers(tmp_path):
 
 
 # ---- tokenize_chat ---------------------------------------------------------------------------------
-def test_chat_mask_is_the_assistant_content_and_eos(tok):
-    ids, mask = tokenize_chat(CHAT, tok)
-    assert ids == encode(tok, "<|user|>What is 12+7?<eos><|assistant|>19<eos>")
-    answer = len(encode(tok, "19")) + 1
+def test_chat_mask_is_the_assistant_content_and_eos(small_tokenizer):
+    ids, mask = tokenize_chat(CHAT, small_tokenizer)
+    assert ids == plain_token_ids(small_tokenizer, "<|user|>What is 12+7?<eos><|assistant|>19<eos>")
+    answer = len(plain_token_ids(small_tokenizer, "19")) + 1
     assert mask == [0] * (len(ids) - answer) + [1] * answer
-    assert masked_runs(tok, ids, mask) == ["19<eos>"]
+    assert masked_runs(small_tokenizer, ids, mask) == ["19<eos>"]
 
 
-def test_multi_turn_masks_every_assistant_turn(tok):
-    ids, mask = tokenize_chat(MULTI, tok)
-    assert tok.decode(ids) == "<|system|>Be brief.<eos><|user|>What is 12+7?<eos><|assistant|>19<eos>" \
-                              "<|user|>And 3*4?<eos><|assistant|>12<eos>"
-    assert masked_runs(tok, ids, mask) == ["19<eos>", "12<eos>"]
+def test_multi_turn_masks_every_assistant_turn(small_tokenizer):
+    ids, mask = tokenize_chat(MULTI, small_tokenizer)
+    assert small_tokenizer.decode(ids) == \
+        "<|system|>Be brief.<eos><|user|>What is 12+7?<eos><|assistant|>19<eos><|user|>And 3*4?<eos><|assistant|>12<eos>"
+    assert masked_runs(small_tokenizer, ids, mask) == ["19<eos>", "12<eos>"]
     # a trailing user turn is context only
-    ids2, mask2 = tokenize_chat(MULTI + [{"role": "user", "content": "Thanks"}], tok)
+    ids2, mask2 = tokenize_chat(MULTI + [{"role": "user", "content": "Thanks"}], small_tokenizer)
     assert ids2[:len(ids)] == ids and mask2 == mask + [0] * (len(ids2) - len(ids))
 
 
-def test_llama3_style_template(tiny_dir):
-    tok = load_tokenizer(tiny_dir)  # a private copy: the template and tokens change below
+def test_llama3_style_template(small_tokenizer_dir):
+    tok = load_tokenizer(small_tokenizer_dir)  # a private copy: the template and tokens change below
     tok.add_tokens(["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], special_tokens=True)
     tok.chat_template = LLAMA3_STYLE
     ids, mask = tokenize_chat(MULTI, tok)
@@ -129,8 +114,8 @@ def test_llama3_style_template(tiny_dir):
     ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<eos>' }}{% endfor %}"
      "{% if add_generation_prompt %}{{ '<|assistant|>1' }}{% endif %}", "tokenization is not prefix-stable"),
 ])
-def test_unstable_templates_are_rejected(tiny_dir, template, expected):
-    tok = load_tokenizer(tiny_dir)
+def test_unstable_templates_are_rejected(small_tokenizer_dir, template, expected):
+    tok = load_tokenizer(small_tokenizer_dir)
     tok.chat_template = template
     messages = MULTI if "later" in expected else [{"role": "user", "content": "x"},
                                                   {"role": "assistant", "content": "12"}]
@@ -138,18 +123,18 @@ def test_unstable_templates_are_rejected(tiny_dir, template, expected):
         tokenize_chat(messages, tok)
 
 
-def test_assistant_first_is_rejected(tok):
+def test_assistant_first_is_rejected(small_tokenizer):
     with pytest.raises(DataError, match="starts with an assistant turn"):
-        tokenize_chat(CHAT[1:], tok)
+        tokenize_chat(CHAT[1:], small_tokenizer)
 
 
 # ---- input/output ----------------------------------------------------------------------------------
-def test_tokenize_input_output(tok):
-    ids, mask = tokenize_input_output("12+7=", "19", tok)
-    prompt, answer = encode(tok, "12+7="), encode(tok, "19")
-    assert ids == prompt + answer + [tok.eos_token_id]
+def test_tokenize_input_output(small_tokenizer):
+    ids, mask = tokenize_input_output("12+7=", "19", small_tokenizer)
+    prompt, answer = plain_token_ids(small_tokenizer, "12+7="), plain_token_ids(small_tokenizer, "19")
+    assert ids == prompt + answer + [small_tokenizer.eos_token_id]
     assert mask == [0] * len(prompt) + [1] * (len(answer) + 1)
-    assert masked_runs(tok, ids, mask) == ["19<eos>"]
+    assert masked_runs(small_tokenizer, ids, mask) == ["19<eos>"]
 
 
 def test_detect_format():
@@ -161,12 +146,12 @@ def test_detect_format():
 
 
 # ---- load_sft_dataset ------------------------------------------------------------------------------
-def test_load_mixed_formats(tok, tmp_path):
+def test_load_mixed_formats(small_tokenizer, tmp_path):
     path = write_jsonl_lines(tmp_path / "train.jsonl", [{"messages": CHAT}, "", {"input": "12+7=", "output": "19"}])
-    data = load_sft_dataset(path, tok)
+    data = load_sft_dataset(path, small_tokenizer)
     assert len(data) == 2 and data.stats.records == 2
-    assert (data[0].ids, data[0].loss_mask) == tokenize_chat(CHAT, tok)
-    assert (data[1].ids, data[1].loss_mask) == tokenize_input_output("12+7=", "19", tok)
+    assert (data[0].ids, data[0].loss_mask) == tokenize_chat(CHAT, small_tokenizer)
+    assert (data[1].ids, data[1].loss_mask) == tokenize_input_output("12+7=", "19", small_tokenizer)
     assert [s.ids for s in data] == [data[0].ids, data[1].ids]
 
 
@@ -184,51 +169,53 @@ def test_load_mixed_formats(tok, tmp_path):
     ({"input": "1+1=", "output": "2"}, "chat", "no 'messages'"),
     ({"messages": CHAT}, "input_output", "no 'input'"),
 ])
-def test_invalid_records_name_file_and_line(tok, tmp_path, record, fmt, expected):
+def test_invalid_records_name_file_and_line(small_tokenizer, tmp_path, record, fmt, expected):
     good = {"input": "1+1=", "output": "2"} if fmt == "input_output" else {"messages": CHAT}
     path = write_jsonl_lines(tmp_path / "train.jsonl", [good, record])
     with pytest.raises(DataError, match=expected) as e:
-        load_sft_dataset(path, tok, fmt=fmt)
+        load_sft_dataset(path, small_tokenizer, fmt=fmt)
     assert str(e.value).startswith(f"{path}:2: ")
 
 
-def test_chat_needs_a_template(tiny_dir, tmp_path):
-    tok = load_tokenizer(tiny_dir)
+def test_chat_needs_a_template(small_tokenizer_dir, tmp_path):
+    tok = load_tokenizer(small_tokenizer_dir)
     tok.chat_template = None
     path = write_jsonl_lines(tmp_path / "train.jsonl", [{"messages": CHAT}])
     with pytest.raises(DataError, match=f"^{path}:1: .*chat template"):
         load_sft_dataset(path, tok)
 
 
-def test_overlong_truncate_and_drop(tok, tmp_path, caplog):
+def test_overlong_truncate_and_drop(small_tokenizer, tmp_path, caplog):
     short = {"input": "1+1=", "output": "2"}
     long_output = {"input": "1+1=", "output": " ".join(str(i) for i in range(30))}
     long_input = {"input": "What is " * 30, "output": "2"}  # cut before the output: nothing left to learn
     path = write_jsonl_lines(tmp_path / "train.jsonl", [short, long_output, long_input])
     max_length = 12
-    assert len(tokenize_input_output(short["input"], short["output"], tok)[0]) <= max_length
+    assert len(tokenize_input_output(short["input"], short["output"], small_tokenizer)[0]) <= max_length
     with caplog.at_level(logging.INFO, logger="aligner.data.sft"):
-        data = load_sft_dataset(path, tok, max_length=max_length, overlong="truncate")
+        data = load_sft_dataset(path, small_tokenizer, max_length=max_length, overlong="truncate")
     assert (data.stats.samples, data.stats.truncated, data.stats.dropped) == (2, 1, 1)
-    full_ids, full_mask = tokenize_input_output(long_output["input"], long_output["output"], tok)
+    full_ids, full_mask = tokenize_input_output(long_output["input"], long_output["output"], small_tokenizer)
     assert (data[1].ids, data[1].loss_mask) == (full_ids[:max_length], full_mask[:max_length])
     assert f"{path}: 2 samples, 1 truncated to 12 tokens, 1 dropped" in caplog.messages
 
-    data = load_sft_dataset(path, tok, max_length=max_length, overlong="drop")
+    data = load_sft_dataset(path, small_tokenizer, max_length=max_length, overlong="drop")
     assert (data.stats.samples, data.stats.truncated, data.stats.dropped) == (1, 0, 2)
-    assert data[0].ids == tokenize_input_output("1+1=", "2", tok)[0]
+    assert data[0].ids == tokenize_input_output("1+1=", "2", small_tokenizer)[0]
 
 
-def test_no_usable_samples(tok, tmp_path):
+def test_no_usable_samples(small_tokenizer, tmp_path):
     path = write_jsonl_lines(tmp_path / "train.jsonl", [{"input": "What is " * 30, "output": "2"}])
     with pytest.raises(DataError, match="none of its 1 records"):
-        load_sft_dataset(path, tok, max_length=8)
+        load_sft_dataset(path, small_tokenizer, max_length=8)
 
 
-def test_synthetic_files_load(tok, tmp_path):
-    chat = load_sft_dataset(synthetic.write_sft_chat(tmp_path / "chat.jsonl", 100, seed=2), tok, max_length=32)
-    plain = load_sft_dataset(synthetic.write_input_output(tmp_path / "io.jsonl", 100, seed=2), tok, max_length=32)
+def test_synthetic_files_load(small_tokenizer, tmp_path):
+    chat = load_sft_dataset(synthetic.write_sft_chat(tmp_path / "chat.jsonl", 100, seed=2), small_tokenizer,
+                            max_length=32)
+    plain = load_sft_dataset(synthetic.write_input_output(tmp_path / "io.jsonl", 100, seed=2), small_tokenizer,
+                             max_length=32)
     assert len(chat) == len(plain) == 100 and chat.stats.truncated == plain.stats.truncated == 0
     answers = [p["answer"] for p in synthetic.arithmetic_problems(100, seed=2)]
     for data in (chat, plain):
-        assert [masked_runs(tok, s.ids, s.loss_mask) for s in data] == [[a + "<eos>"] for a in answers]
+        assert [masked_runs(small_tokenizer, s.ids, s.loss_mask) for s in data] == [[a + "<eos>"] for a in answers]

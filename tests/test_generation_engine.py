@@ -5,7 +5,6 @@ recomputation without a KV cache and trainer-side log-probs. One launch runs eve
 Tolerances: log-probs 1e-5 (fp32, CPU); tokens exactly equal.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from aligner.launch.local import launch
+from tests.conftest import REPO, cli_env
 
-REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-5
 
 
@@ -97,15 +96,12 @@ def test_refit_from_weight_stream(results):
 def test_cli_generate_matches_engine(results, layout):
     workdir = Path(results["_workdir"])
     out = workdir / "cli_out.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
     code = ("import sys; from aligner.generation.cli import generate_main; sys.exit(generate_main(sys.argv[1:]))")
     proc = subprocess.run(
         [sys.executable, "-c", code, "--model", str(workdir / "ckpt"), "--prompts", str(workdir / "cli_prompts.jsonl"),
          "--out", str(out), "sampling.temperature=0.9", "sampling.top_p=0.95", "sampling.max_new_tokens=8",
          "sampling.seed=3", "batch_size=3", *layout],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     expected = json.loads((workdir / "cli_expected.json").read_text())

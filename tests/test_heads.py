@@ -2,6 +2,8 @@
 import torch
 from omegaconf import OmegaConf
 
+from tests.conftest import init_single_process
+
 
 def test_last_token_scores_hand_computed():
     from aligner.models.heads import last_token_scores
@@ -19,8 +21,7 @@ def test_reward_head_replaces_lm_head_and_round_trips(tmp_path):
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
 
-    distributed.init_process_group()
-    distributed.init_model_parallel()
+    init_single_process()
     seed_everything(3)
     cfg = OmegaConf.structured(ModelConfig)
     cfg.tie_embeddings = True  # the head must get its own weight even when embeddings are tied

@@ -2,23 +2,18 @@
 and raw-logit parity with transformers at TP=2 / PP=2, and the TP/PP weight stream."""
 from __future__ import annotations
 
-import glob
 import json
 import os
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from tests import hf_workers as hfw  # noqa: E402
-
-from aligner.models import hf_weights as hw  # noqa: E402
-from aligner.models.hf_convert import hf_to_mcore, mcore_to_hf, write_hf_dir  # noqa: E402
-from aligner.models.scoring import score_logprobs  # noqa: E402
+from aligner.models import hf_weights as hw
+from aligner.models.hf_convert import hf_to_mcore, mcore_to_hf, write_hf_dir
+from aligner.models.scoring import score_logprobs
+from tests import hf_workers as hfw
+from tests.conftest import REPO, write_jsonl_lines
 
 pytestmark = pytest.mark.dist
 TOL = 1e-4
@@ -28,7 +23,7 @@ TOL = 1e-4
 def _ranks_import_tests():
     """Launched ranks import `tests.hf_workers` from the repository root."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
         yield
 
 
@@ -42,18 +37,11 @@ def world(tmp_path_factory, _ranks_import_tests):
     assert (root / "llama" / "model.safetensors.index.json").exists()
     hf_to_mcore(root / "llama", root / "ck_llama", tp=2)
     hf_to_mcore(root / "qwen", root / "ck_qwen", pp=2)
-    data = root / "data.jsonl"
     lines = [{"text": t} for t in hfw.TEXTS] + [{"input_ids": [0, 5, 300, 319, 7, 7, 2]}, {"input_ids": [4]},
                                                 {"input_ids": list(range(0, 320, 9))}]
-    data.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    data = write_jsonl_lines(root / "data.jsonl", lines + [""])  # a blank line at the end, skipped
     return SimpleNamespace(root=root, data=data, n_inputs=len(lines),
                            models={"llama": (llama, root / "ck_llama"), "qwen": (qwen, root / "ck_qwen")})
-
-
-def _load_dir(path) -> dict:
-    from safetensors.torch import load_file
-
-    return {k: v for f in glob.glob(str(Path(path) / "*.safetensors")) for k, v in load_file(f).items()}
 
 
 def _hf_state(model) -> dict:
@@ -78,7 +66,7 @@ def test_round_trip_is_exact(world, name, shard_bytes):
 
     model, ckpt = world.models[name]
     out = mcore_to_hf(ckpt, world.root / f"export_{name}", max_shard_bytes=shard_bytes)
-    exported, original = _load_dir(out), _hf_state(model)
+    exported, original = hfw.load_safetensors_dir(out), _hf_state(model)
     assert set(exported) == set(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
     assert (out / "model.safetensors.index.json").exists() == (name == "llama")  # several shards + index
@@ -105,8 +93,7 @@ def test_score_logprobs_matches_transformers(world, name, tp, pp):
         assert len(row["logprobs"]) == len(row["input_ids"]) - 1
         if len(row["input_ids"]) < 2:
             continue
-        ids = torch.tensor([row["input_ids"]])
-        ref = torch.log_softmax(hfw.hf_logits(model, ids), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+        ref = hfw.hf_token_logprobs(model, torch.tensor([row["input_ids"]]))
         worst = max(worst, (ref - torch.tensor(row["logprobs"])).abs().max().item())
     print(f"\n{name} TP={tp} PP={pp}: max |dlogprob| = {worst:.3g}")
     assert worst <= TOL

@@ -2,21 +2,17 @@
 plus single-process parity for Mistral and Llama-3 rope scaling (import, score, export)."""
 from __future__ import annotations
 
-import glob
 import inspect
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests import hf_workers as hfw  # noqa: E402
-
-from aligner.config.schema import ModelConfig  # noqa: E402
-from aligner.models import hf_weights as hw  # noqa: E402
+from aligner.config.schema import ModelConfig
+from aligner.models import hf_weights as hw
+from tests import hf_workers as hfw
+from tests.conftest import write_jsonl_lines
 
 
 def _model_cfg(hf_config: dict, tp: int = 1):
@@ -167,12 +163,6 @@ def test_names():
 
 
 # ---- single-process conversions -------------------------------------------------------------
-def _load(hf_dir) -> dict:
-    from safetensors.torch import load_file
-
-    return {k: v for f in glob.glob(str(Path(hf_dir) / "*.safetensors")) for k, v in load_file(f).items()}
-
-
 @pytest.mark.parametrize("kind", ["mistral", "llama3"])
 def test_single_rank_parity_and_round_trip(kind, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -182,19 +172,17 @@ def test_single_rank_parity_and_round_trip(kind, tmp_path):
 
     model = hfw.make_hf_model(kind, tmp_path / "hf", seed=3)
     hf_to_mcore(tmp_path / "hf", tmp_path / "ckpt")
-    data = tmp_path / "data.jsonl"
-    data.write_text("\n".join(json.dumps({"text": t}) for t in hfw.TEXTS) + "\n")
+    data = write_jsonl_lines(tmp_path / "data.jsonl", [{"text": t} for t in hfw.TEXTS])
     score_logprobs(tmp_path / "ckpt", data, tmp_path / "lp.jsonl")
     worst = 0.0
     for line in (tmp_path / "lp.jsonl").read_text().splitlines():
         row = json.loads(line)
-        ids = torch.tensor([row["input_ids"]])
-        ref = torch.log_softmax(hfw.hf_logits(model, ids), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+        ref = hfw.hf_token_logprobs(model, torch.tensor([row["input_ids"]]))
         worst = max(worst, (ref - torch.tensor(row["logprobs"])).abs().max().item())
     assert worst <= 1e-4, worst
 
     out = mcore_to_hf(tmp_path / "ckpt", tmp_path / "out")
-    exported = _load(out)
+    exported = hfw.load_safetensors_dir(out)
     original = model.state_dict()
     assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
     reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
@@ -206,4 +194,4 @@ def test_single_rank_parity_and_round_trip(kind, tmp_path):
         assert hw.model_fields_from_hf(reloaded.config.to_dict())["kv_channels"] == 32
         half = mcore_to_hf(tmp_path / "ckpt", tmp_path / "bf16", dtype="bfloat16")
         assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
-        assert all(torch.equal(t, original[k].bfloat16()) for k, t in _load(half).items())
+        assert all(torch.equal(t, original[k].bfloat16()) for k, t in hfw.load_safetensors_dir(half).items())

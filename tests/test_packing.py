@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from aligner.data.packing import build_micro_batches, first_fit_decreasing, tree_attention_mask
+from tests.conftest import build_single_process_gpt
 
 
 def test_first_fit_decreasing():
@@ -97,18 +98,7 @@ def test_tree_attention_mask_rows_for_context_parallel():
 
 @pytest.fixture(scope="module")
 def model():
-    from aligner.models.policy import build_policy
-    from aligner.config.schema import ModelConfig
-    from aligner.runtime import distributed
-    from aligner.runtime.seeding import seed_everything
-    from omegaconf import OmegaConf
-
-    distributed.init_process_group()
-    distributed.init_model_parallel()
-    seed_everything(5)
-    cfg = OmegaConf.structured(ModelConfig)
-    cfg.num_query_groups = 2
-    return build_policy(cfg, 300)
+    return build_single_process_gpt(5, policy=True, num_query_groups=2)
 
 
 def _sequences(n: int, seed: int):

@@ -12,7 +12,7 @@ import pytest
 
 from aligner.data.preference import synthetic_preferences, write_jsonl
 from aligner.runtime.preemption import EXIT_PREEMPTED
-from tests.conftest import REPO, read_metrics, run_cli, start_cli
+from tests.conftest import REPO, assert_metrics_match_by_step, read_metrics, run_cli, start_cli
 
 MAX_STEPS = 40
 COMPARED = ("loss", "accuracy", "reward/margin", "grad_norm", "lr", "consumed_samples")
@@ -54,9 +54,7 @@ def assert_resumed_exactly(run_dir, stop_step: int, uninterrupted: dict) -> None
     assert (run_dir / "checkpoints" / f"step_{stop_step:06d}" / "aligner.json").exists()
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))  # every step once, none lost
-    for m in metrics:
-        for key in COMPARED:
-            assert m[key] == uninterrupted[m["step"]][key], (m["step"], key)
+    assert_metrics_match_by_step(metrics, uninterrupted, COMPARED)
 
 
 def test_sigusr1_through_the_launcher_stops_at_a_checkpoint_and_resumes_exactly(tiny_assets, prefs, uninterrupted,

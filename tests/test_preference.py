@@ -4,7 +4,7 @@ KTO moving its metrics the right way, ORPO and SimPO runs, and errors before or 
 import pytest
 
 from aligner.data.preference import synthetic_preferences, synthetic_unpaired, write_jsonl
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import assert_cli_ok, assert_metrics_match_by_step, read_metrics, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +23,15 @@ def args(command, assets, data, run_dir, train, *extra):
             f"tokenizer.path={assets / 'tokenizer'}", "logging.progress=false", "logging.tensorboard=false", *extra]
 
 
-def assert_ok(result):
-    assert result.returncode == 0, result.stderr[-4000:]
-
-
 def mean(metrics, key):
     return sum(m[key] for m in metrics) / len(metrics)
 
 
 def test_dpo_learns_held_out_preferences(tiny_assets, data, tmp_path):
     run_dir = tmp_path / "dpo"
-    assert_ok(run_cli(*args("dpo", tiny_assets, data, run_dir, "train.jsonl", f"data.val_path={data / 'val.jsonl'}",
-                            "trainer.max_steps=60", "trainer.val_interval=30", "trainer.save_last=false",
-                            "optim.lr=1e-3", "optim.min_lr=1e-4", "dpo.beta=0.5")))
+    assert_cli_ok(run_cli(*args("dpo", tiny_assets, data, run_dir, "train.jsonl", f"data.val_path={data / 'val.jsonl'}",
+                                "trainer.max_steps=60", "trainer.val_interval=30", "trainer.save_last=false",
+                                "optim.lr=1e-3", "optim.min_lr=1e-4", "dpo.beta=0.5")))
     metrics = read_metrics(run_dir)
     first, last = metrics[0], metrics[-1]
     for key in ("loss", "accuracy", "reward/chosen", "reward/rejected", "reward/margin", "logps/chosen",
@@ -53,24 +49,22 @@ def test_dpo_resume_is_bitwise_with_packing_and_cached_reference(tiny_assets, da
               "trainer.micro_batch_size=4", "trainer.save_interval=2", "optim.lr=1e-3", "optim.warmup_steps=1",
               "optim.decay_steps=4"]
     full, split = tmp_path / "full", tmp_path / "split"
-    assert_ok(run_cli(*args("dpo", tiny_assets, data, full, "small.jsonl", "trainer.max_steps=4", *common)))
-    assert_ok(run_cli(*args("dpo", tiny_assets, data, split, "small.jsonl", "trainer.max_steps=2", *common)))
+    assert_cli_ok(run_cli(*args("dpo", tiny_assets, data, full, "small.jsonl", "trainer.max_steps=4", *common)))
+    assert_cli_ok(run_cli(*args("dpo", tiny_assets, data, split, "small.jsonl", "trainer.max_steps=2", *common)))
     assert (split / "reference" / "train.pt").exists()
     result = run_cli(*args("dpo", tiny_assets, data, split, "small.jsonl", "trainer.max_steps=4", *common))
-    assert_ok(result)
+    assert_cli_ok(result)
     assert "resumed from" in result.stderr and "reference log-probs for train read from" in result.stderr
-    by_step = {m["step"]: m for m in read_metrics(full)}
     resumed = read_metrics(split)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
-    for m in resumed:
-        for key in ("loss", "accuracy", "reward/margin", "grad_norm", "lr", "consumed_samples"):
-            assert m[key] == by_step[m["step"]][key], (m["step"], key)
+    assert_metrics_match_by_step(resumed, read_metrics(full),
+                                 ("loss", "accuracy", "reward/margin", "grad_norm", "lr", "consumed_samples"))
 
 
 def test_kto_moves_its_metrics_the_right_way(tiny_assets, data, tmp_path):
     run_dir = tmp_path / "kto"
-    assert_ok(run_cli(*args("kto", tiny_assets, data, run_dir, "kto.jsonl", "trainer.max_steps=40",
-                            "trainer.save_last=false", "optim.lr=1e-3", "optim.min_lr=1e-4", "kto.beta=0.5")))
+    assert_cli_ok(run_cli(*args("kto", tiny_assets, data, run_dir, "kto.jsonl", "trainer.max_steps=40",
+                                "trainer.save_last=false", "optim.lr=1e-3", "optim.min_lr=1e-4", "kto.beta=0.5")))
     metrics = read_metrics(run_dir)
     for key in ("loss", "kl", "reward/desirable", "reward/undesirable", "reward/margin", "logps/desirable",
                 "logps/undesirable", "fraction/desirable"):
@@ -87,9 +81,9 @@ def test_kto_moves_its_metrics_the_right_way(tiny_assets, data, tmp_path):
                                             ("simpo", ["simpo.beta=2.0", "simpo.gamma=0.5"])])
 def test_reference_free_algorithms_run(tiny_assets, data, tmp_path, command, extra):
     run_dir = tmp_path / command
-    assert_ok(run_cli(*args(command, tiny_assets, data, run_dir, "train.jsonl", f"data.val_path={data / 'val.jsonl'}",
-                            "trainer.max_steps=6", "trainer.val_interval=6", "trainer.val_batches=1",
-                            "trainer.save_last=false", "optim.lr=1e-3", "data.packing=true", *extra)))
+    assert_cli_ok(run_cli(*args(command, tiny_assets, data, run_dir, "train.jsonl", f"data.val_path={data / 'val.jsonl'}",
+                                "trainer.max_steps=6", "trainer.val_interval=6", "trainer.val_batches=1",
+                                "trainer.save_last=false", "optim.lr=1e-3", "data.packing=true", *extra)))
     metrics = read_metrics(run_dir)
     assert len(metrics) == 6 and metrics[-1]["loss"] < metrics[0]["loss"]
     assert {"accuracy", "logps/chosen", "logps/rejected", "val/loss", "val/accuracy"} <= set(metrics[-1])

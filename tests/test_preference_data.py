@@ -1,24 +1,18 @@
 """Preference JSONL: text and chat pairs, implicit prompts, KTO records, the token-level
 prompt/response boundary check, and the errors for empty, identical and malformed records."""
-import json
-
 import pytest
 
 from aligner.data.jsonl import DataError
 from aligner.data.preference import (load_preference_dataset, load_unpaired_dataset, synthetic_preferences,
                                      synthetic_unpaired, write_jsonl)
-from tests.conftest import write_jsonl_lines
-
-
-def _enc(tokenizer, text):
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+from tests.conftest import plain_token_ids, write_jsonl_lines
 
 
 def test_text_pairs(tokenizer, tmp_path):
     path = write_jsonl_lines(tmp_path / "p.jsonl", [{"prompt": "What is 3+4?", "chosen": " 7", "rejected": " 8"}])
     pair = load_preference_dataset(path, tokenizer)[0]
-    prompt = _enc(tokenizer, "What is 3+4?")
-    assert pair.chosen == _enc(tokenizer, "What is 3+4? 7") + [tokenizer.eos_token_id]
+    prompt = plain_token_ids(tokenizer, "What is 3+4?")
+    assert pair.chosen == plain_token_ids(tokenizer, "What is 3+4? 7") + [tokenizer.eos_token_id]
     assert pair.chosen[:pair.chosen_start] == prompt and pair.rejected[:pair.rejected_start] == prompt
     assert tokenizer.decode(pair.rejected[pair.rejected_start:]) == " 8<eos>"
     assert pair.chosen_reward is None and pair.reference is None
@@ -46,7 +40,7 @@ def test_rewards_for_reward_aware_losses(tokenizer, tmp_path):
 
 def test_a_merge_across_the_prompt_boundary_is_reported(tokenizer, tmp_path):
     # the tiny BPE has one token for every number 0..99, so "What is 1" + "2" encodes "12" as one token
-    assert len(_enc(tokenizer, "12")) == 1
+    assert len(plain_token_ids(tokenizer, "12")) == 1
     path = write_jsonl_lines(tmp_path / "m.jsonl", [{"prompt": "What is 3+4?", "chosen": " 7", "rejected": " 8"},
                                          {"prompt": "What is 1", "chosen": "2", "rejected": "3"}])
     with pytest.raises(DataError, match=r"m.jsonl:2: 'chosen': the tokenizer merges the end of the prompt with "

@@ -7,20 +7,13 @@ import pytest
 import torch
 
 from aligner.models.read_positions import masked_rows, read_only
+from tests.conftest import build_single_process_gpt
 
 
 def _gpt(head: str):
-    from aligner.config.schema import ModelConfig
-    from aligner.models.gpt import build_gpt
     from aligner.models.heads import attach_scalar_head
-    from aligner.runtime import distributed
-    from aligner.runtime.seeding import seed_everything
-    from omegaconf import OmegaConf
 
-    distributed.init_process_group()
-    distributed.init_model_parallel()
-    seed_everything(11)
-    gpt = build_gpt(OmegaConf.structured(ModelConfig), 300)
+    gpt = build_single_process_gpt(11)
     return attach_scalar_head(gpt, 2) if head == "reward" else gpt
 
 

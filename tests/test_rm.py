@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_cli, write_jsonl_lines
+from tests.conftest import assert_cli_ok, init_single_process, read_metrics, run_cli, write_jsonl_lines
 
 
 # ---- pure losses -----------------------------------------------------------------------------------
@@ -52,10 +52,8 @@ def test_clipped_value_loss_hand_computed():
 
 def test_sequence_scores_read_the_last_token():
     from aligner.models.forward_step import scores_at_row_ends
-    from aligner.runtime import distributed
 
-    distributed.init_process_group()
-    distributed.init_model_parallel()
+    init_single_process()
     values = torch.arange(12.0).view(2, 6, 1)
     assert scores_at_row_ends(values, torch.tensor([3, 6]), torch.arange(6)).flatten().tolist() == [2.0, 11.0]
 
@@ -151,7 +149,7 @@ def _train(assets, data, tmp_path_factory, name, *layout, steps=STEPS):
     result = run_cli(*rm_args(assets, data, run_dir, f"trainer.max_steps={steps}", f"trainer.val_interval={steps}",
                               f"data.val_path={data / 'val.jsonl'}", "trainer.val_batches=8", "data.packing=false",
                               *layout))
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert_cli_ok(result)
     _runs[name] = read_metrics(run_dir)
     _rm_checkpoints[name] = run_dir / "checkpoints" / f"step_{steps:06d}"
     return run_dir, _runs[name]
@@ -187,7 +185,7 @@ def from_trained_rm(tiny_assets, preference_data, tmp_path_factory):
         run_dir = tmp_path_factory.mktemp("rm_layout")
         result = run_cli(*rm_args(tiny_assets, preference_data, run_dir, "trainer.max_steps=2",
                                   f"model.pretrained={pretrained}", *layout))
-        assert result.returncode == 0, result.stderr[-4000:]
+        assert_cli_ok(result)
         return read_metrics(run_dir)
 
     return run, run("data.packing=false")
@@ -233,7 +231,7 @@ def test_regression_rm_learns_and_rejects_bad_config(tiny_assets, tmp_path):
             "logging.progress=false", "logging.tensorboard=false", "trainer.max_steps=20", "trainer.global_batch_size=32",
             "trainer.micro_batch_size=16", "optim.lr=3e-3", "optim.warmup_steps=3", "rm.loss=regression"]
     result = run_cli(*args, "rm.attributes=[value,parity]")
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert_cli_ok(result)
     metrics = read_metrics(run_dir)
     assert metrics[-1]["loss"] < 0.3 * metrics[0]["loss"], (metrics[0]["loss"], metrics[-1]["loss"])
     assert 32 < metrics[0]["loss_count"] < 64  # every "value" label, the odd answers' "parity" labels

@@ -4,15 +4,12 @@ and TP=2, and our reward checkpoints export to that form and load back in transf
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from tests import hf_workers as hfw  # noqa: E402
+from tests import hf_workers as hfw
+from tests.server_workers import make_reward_checkpoint
 
 PAD = 319  # a token id the test texts never produce
 TOL = 1e-4
@@ -26,12 +23,7 @@ def make_hf_reward_model(kind: str, path, num_labels: int, seed: int, labels=Non
     config.architectures = [type(AutoModelForSequenceClassification.from_config(config)).__name__]
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
-    hfw.make_tokenizer(path)
-    return model
+    return hfw.randomize_and_save(model, path)
 
 
 def sequences(path) -> list[list[int]]:
@@ -41,13 +33,14 @@ def sequences(path) -> list[list[int]]:
     return [tokenizer(t)["input_ids"] + [1] for t in hfw.TEXTS]  # ends with eos (1), never with PAD
 
 
-def hf_scores(model, seqs) -> torch.Tensor:
+def hf_scores(model, seqs, pad: int = PAD) -> torch.Tensor:
+    """A sequence-classification model's scores of `seqs`, right-padded with `pad` into one batch."""
     width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), PAD)
+    ids = torch.full((len(seqs), width), pad)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=(ids != PAD).long()).logits.float()
+        return model(input_ids=ids, attention_mask=(ids != pad).long()).logits.float()
 
 
 @pytest.fixture(scope="module")
@@ -94,38 +87,20 @@ def test_export_loads_in_transformers(imported):
         assert reloaded.config.id2label == models[name].config.id2label
 
 
-def test_trained_rm_exports_as_llama_sequence_classification(tiny_assets, tmp_path):
+def test_trained_rm_exports_as_llama_sequence_classification(tiny_assets, tokenizer, tmp_path):
     """A reward model of ours (tiny tokenizer, no HF metadata) exports with the tokenizer's pad id,
     from one rank or from a TP=2 x PP=2 layout alike."""
     from transformers import AutoModelForSequenceClassification
 
-    from aligner.config.schema import ModelConfig
-    from aligner.data.tokenizer import load_tokenizer
-    from aligner.models import checkpoint
-    from aligner.models.gpt import build_gpt
-    from aligner.models.heads import attach_scalar_head
-    from aligner.models.hf_convert import mcore_to_hf, single_process
-    from aligner.runtime.seeding import seed_everything
+    from aligner.models.hf_convert import mcore_to_hf
     from aligner.models.scoring import score_checkpoint
-    from omegaconf import OmegaConf
 
-    tokenizer = load_tokenizer(tiny_assets / "tokenizer")
-    cfg = OmegaConf.structured(ModelConfig)
-    with single_process():
-        seed_everything(5)
-        model = attach_scalar_head(build_gpt(cfg, len(tokenizer)), 2)
-        checkpoint.save_checkpoint(tmp_path / "rm", model, cfg, len(tokenizer), head="reward", tokenizer=tokenizer,
-                                   extra_meta={"scalar_head": {"num_outputs": 2, "attributes": ["a", "b"], "loss": "regression"}})
+    make_reward_checkpoint(tmp_path / "rm", tiny_assets / "tokenizer", 2, seed=5, attributes=["a", "b"])
     out = mcore_to_hf(tmp_path / "rm", tmp_path / "hf")
     hf = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
     assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.pad_token_id == tokenizer.pad_token_id
     seqs = [tokenizer("What is 2+3? 5")["input_ids"] + [tokenizer.eos_token_id], [5, 6, 7, tokenizer.eos_token_id]]
-    width = max(map(len, seqs))
-    ids = torch.full((2, width), tokenizer.pad_token_id)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-    with torch.no_grad():
-        theirs = hf(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
+    theirs = hf_scores(hf, seqs, pad=tokenizer.pad_token_id)
     assert (score_checkpoint(tmp_path / "rm", seqs) - theirs).abs().max() < TOL
     # exported through the weight stream from two TP x two PP ranks: the same tensors, bit for bit
     from safetensors.torch import load_file

@@ -8,6 +8,7 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from aligner.models import rope
+from tests.conftest import build_single_process_gpt
 
 
 def _freqs(s: int, d: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -66,19 +67,8 @@ def test_gpt_model_unchanged(monkeypatch):
     """Logits and every parameter gradient of a GPTModel (explicit positions, as packed batches run
     it) are bitwise those of megatron's own rotary code."""
     from megatron.core.transformer import attention
-    from omegaconf import OmegaConf
 
-    from aligner.models.policy import build_policy
-    from aligner.config.schema import ModelConfig
-    from aligner.runtime import distributed
-    from aligner.runtime.seeding import seed_everything
-
-    distributed.init_process_group()
-    distributed.init_model_parallel()
-    seed_everything(3)
-    cfg = OmegaConf.structured(ModelConfig)
-    cfg.num_query_groups = 2
-    model = build_policy(cfg, 300)
+    model = build_single_process_gpt(3, policy=True, num_query_groups=2)
     assert attention.apply_rotary_pos_emb is rope.apply_rotary_pos_emb  # installed by build_gpt
     tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     positions = torch.tensor([list(range(12)), list(range(5)) + list(range(7))]).expand(3, -1, -1)

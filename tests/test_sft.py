@@ -2,11 +2,10 @@
 errors that stop before any rank starts, and a failing rank's traceback."""
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import assert_cli_ok, assert_metrics_match_by_step, read_metrics, run_cli
 
 
 def sft_args(assets, run_dir, *extra):
@@ -14,16 +13,12 @@ def sft_args(assets, run_dir, *extra):
             f"tokenizer.path={assets / 'tokenizer'}", "logging.progress=false", *extra]
 
 
-def assert_ok(result):
-    assert result.returncode == 0, result.stderr[-4000:]
-
-
 def test_sft_learns_and_writes_the_run_directory(tiny_assets, tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli(*sft_args(tiny_assets, run_dir, f"data.val_path={tiny_assets / 'val.jsonl'}",
                                "trainer.max_steps=40", "trainer.val_interval=20", "trainer.save_interval=20",
                                "optim.lr=3e-3", "optim.warmup_steps=5"))
-    assert_ok(result)
+    assert_cli_ok(result)
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 41))
     for key in ("loss", "lr", "grad_norm", "timing/step_s", "throughput/tokens_per_s"):
@@ -38,14 +33,6 @@ def test_sft_learns_and_writes_the_run_directory(tiny_assets, tmp_path):
         assert (ckpt / "COMPLETE").exists() and (ckpt / "tokenizer" / "tokenizer.json").exists()
 
 
-def _compare_steps(full, resumed, steps):
-    by_step = {m["step"]: m for m in full}
-    for m in resumed:
-        if m["step"] in steps:
-            for key in ("loss", "grad_norm", "lr", "loss_count", "consumed_samples"):
-                assert m[key] == by_step[m["step"]][key], (m["step"], key, m[key], by_step[m["step"]][key])
-
-
 @pytest.mark.parametrize("layout", [[], ["launcher.nproc_per_node=2", "optim.distributed_optimizer=true"]],
                          ids=["single", "dp2_distributed_optimizer"])
 def test_resume_is_bitwise_identical(tiny_assets, tmp_path, layout):
@@ -53,28 +40,29 @@ def test_resume_is_bitwise_identical(tiny_assets, tmp_path, layout):
     common = ["trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.save_interval=3",
               "optim.warmup_steps=2", "optim.decay_steps=6", *layout]
     full, split = tmp_path / "full", tmp_path / "split"
-    assert_ok(run_cli(*sft_args(tiny_assets, full, "trainer.max_steps=6", *common)))
-    assert_ok(run_cli(*sft_args(tiny_assets, split, "trainer.max_steps=3", *common)))
+    assert_cli_ok(run_cli(*sft_args(tiny_assets, full, "trainer.max_steps=6", *common)))
+    assert_cli_ok(run_cli(*sft_args(tiny_assets, split, "trainer.max_steps=3", *common)))
     assert [m["step"] for m in read_metrics(split)] == [1, 2, 3]
     result = run_cli(*sft_args(tiny_assets, split, "trainer.max_steps=6", *common))
-    assert_ok(result)
+    assert_cli_ok(result)
     assert "resumed from" in result.stderr
     resumed = read_metrics(split)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
-    _compare_steps(read_metrics(full), resumed, {1, 2, 3, 4, 5, 6})
+    assert_metrics_match_by_step(resumed, read_metrics(full),
+                                 ("loss", "grad_norm", "lr", "loss_count", "consumed_samples"))
 
 
 def test_partial_and_incomplete_checkpoints_are_never_picked(tiny_assets, tmp_path):
     run_dir = tmp_path / "run"
     common = ["trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.save_interval=2"]
-    assert_ok(run_cli(*sft_args(tiny_assets, run_dir, "trainer.max_steps=2", *common)))
+    assert_cli_ok(run_cli(*sft_args(tiny_assets, run_dir, "trainer.max_steps=2", *common)))
     checkpoints = run_dir / "checkpoints"
     # a save that died before publishing, and one that died before COMPLETE was written
     shutil.copytree(checkpoints / "step_000002", checkpoints / "step_000009.partial")
     shutil.copytree(checkpoints / "step_000002", checkpoints / "step_000008")
     (checkpoints / "step_000008" / "COMPLETE").unlink()
     result = run_cli(*sft_args(tiny_assets, run_dir, "trainer.max_steps=3", *common))
-    assert_ok(result)
+    assert_cli_ok(result)
     assert "resumed from" in result.stderr and "step_000002 at step 2" in result.stderr
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
 
@@ -113,8 +101,8 @@ def test_packed_sft_matches_padded(tiny_assets, tmp_path):
                         ("packed_tp2", ["data.packing=true", "launcher.nproc_per_node=2",
                                         "model.tensor_model_parallel_size=2"])):
         run_dir = tmp_path / name
-        assert_ok(run_cli(*sft_args(tiny_assets, run_dir, "trainer.max_steps=3", "trainer.save_last=false",
-                                    "logging.tensorboard=false", "optim.lr=3e-3", *extra)))
+        assert_cli_ok(run_cli(*sft_args(tiny_assets, run_dir, "trainer.max_steps=3", "trainer.save_last=false",
+                                        "logging.tensorboard=false", "optim.lr=3e-3", *extra)))
         runs[name] = read_metrics(run_dir)
     for name in ("packed", "packed_tp2"):
         for ours, ref in zip(runs[name], runs["padded"]):

@@ -7,9 +7,9 @@ import json
 import math
 
 import pytest
-import torch
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, write_jsonl_lines
+from tests.server_workers import make_reward_checkpoint
 
 NAMES = ["helpfulness", "verbosity"]
 
@@ -61,8 +61,7 @@ def test_sft_loader_conditions_each_sample_and_names_file_and_line(tokenizer, tm
     records = [{"input": "What is 2+3? ", "output": "5", "attributes": {"helpfulness": 4, "verbosity": 0}},
                {"messages": [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"}],
                 "attributes": {"helpfulness": 1, "verbosity": 3}}]
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = write_jsonl_lines(tmp_path / "d.jsonl", records)
 
     def prefix(record):
         return condition_ids(tokenizer, parse_attributes(record, NAMES, 4), NAMES)
@@ -74,37 +73,22 @@ def test_sft_loader_conditions_each_sample_and_names_file_and_line(tokenizer, tm
         at = 1 if ids[:1] == [tokenizer.bos_token_id] else 0
         assert sample.ids == ids[:at] + cond + ids[at:]
         assert sample.loss_mask == mask[:at] + [0] * len(cond) + mask[at:]
-    path.write_text(json.dumps(records[0]) + "\n" + json.dumps({"input": "a", "output": "b"}) + "\n")
+    write_jsonl_lines(path, [records[0], {"input": "a", "output": "b"}])
     with pytest.raises(DataError, match=r"d.jsonl:2: expected 'attributes'"):
         load_sft_dataset(path, tokenizer, prefix=prefix)
 
 
 # ---- labels from a regression reward model ----------------------------------------------------------
 def test_label_attributes_round_and_clip_the_reward_models_scores(tiny_assets, tokenizer, tmp_path):
-    from omegaconf import OmegaConf
-
-    from aligner.config.schema import ModelConfig
-    from aligner.models import checkpoint
-    from aligner.models.gpt import build_gpt
-    from aligner.models.heads import attach_scalar_head
-    from aligner.models.hf_convert import single_process
-    from aligner.runtime.seeding import seed_everything
     from aligner.models.scoring import score_checkpoint
 
-    cfg = OmegaConf.structured(ModelConfig)
-    with single_process():
-        seed_everything(7)
-        rm = attach_scalar_head(build_gpt(cfg, len(tokenizer)), 2)
-        with torch.no_grad():
-            # scores spread over 3..8 (seed 7): labels 3 and 4, some clipped at scale 4
-            rm.output_layer.weight.mul_(torch.tensor([[-10.0], [-14.3]]))
-        checkpoint.save_checkpoint(tmp_path / "rm", rm, cfg, len(tokenizer), head="reward", tokenizer=tokenizer,
-                                   extra_meta={"scalar_head": {"num_outputs": 2, "attributes": NAMES,
-                                                               "loss": "regression"}})
+    # scores spread over 3..8 (seed 7): labels 3 and 4, some clipped at scale 4
+    make_reward_checkpoint(tmp_path / "rm", tiny_assets / "tokenizer", 2, seed=7, attributes=NAMES,
+                           head_scale=[-10.0, -14.3])
     records = [{"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
                              {"role": "assistant", "content": str(a + b + (a * b) % 3)}]} for a in range(4)
                for b in range(3)] + [{"input": "What is 9*9? ", "output": "81"}]
-    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_jsonl_lines(tmp_path / "sft.jsonl", records)
     result = run_cli("label-attributes", "--rm", str(tmp_path / "rm"), "--data", str(tmp_path / "sft.jsonl"),
                      "--out", str(tmp_path / "labelled.jsonl"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -124,7 +108,7 @@ def test_label_attributes_round_and_clip_the_reward_models_scores(tiny_assets, t
 
 
 # ---- train, then steer ------------------------------------------------------------------------------
-def test_steerlm_learns_to_follow_an_attribute(tiny_assets, tmp_path):
+def test_steerlm_learns_to_follow_an_attribute(tiny_assets, tokenizer, tmp_path):
     """verbosity 0: the answer once; verbosity 2: the answer six times. Prompts held out."""
     def record(a, b, verbosity):
         answer = " ".join([str(a + b)] * (1 if verbosity == 0 else 6))
@@ -133,7 +117,7 @@ def test_steerlm_learns_to_follow_an_attribute(tiny_assets, tmp_path):
                 "attributes": {"helpfulness": 4, "verbosity": verbosity}}
 
     train = [record(a, b, v) for a in range(8) for b in range(8) for v in (0, 2)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    write_jsonl_lines(tmp_path / "train.jsonl", train)
     run_dir = tmp_path / "run"
     result = run_cli("train", "steerlm", f"run_dir={run_dir}", f"data.train_path={tmp_path / 'train.jsonl'}",
                      f"tokenizer.path={tiny_assets / 'tokenizer'}", "steerlm.attributes=[helpfulness,verbosity]",
@@ -144,14 +128,10 @@ def test_steerlm_learns_to_follow_an_attribute(tiny_assets, tmp_path):
     meta = json.loads((ckpt / "aligner.json").read_text())
     assert meta["steerlm"] == {"attributes": ["helpfulness", "verbosity"], "scale": 4}
 
-    from aligner.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(tiny_assets / "tokenizer")
     held_out = [(a, b) for a in range(8, 10) for b in range(10)]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"What is {a}+{b}?"}], tokenize=False, add_generation_prompt=True)}) + "\n"
-        for a, b in held_out))
+    prompts = write_jsonl_lines(tmp_path / "prompts.jsonl", [{"prompt": tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"What is {a}+{b}?"}], tokenize=False, add_generation_prompt=True)}
+        for a, b in held_out])
     lengths = {}
     for verbosity in (0, 2):
         out = tmp_path / f"gen_{verbosity}.jsonl"

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from aligner.models.swiglu import swiglu
+from tests.conftest import init_single_process
 
 
 def test_swiglu_equals_silu_gate_times_up_bitwise():
@@ -21,13 +22,11 @@ def _mlps(**config_overrides):
     from aligner.config.schema import ModelConfig
     from aligner.models.gpt import transformer_config
     from aligner.models.swiglu import SwiGLUMLP
-    from aligner.runtime import distributed
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.mlp import MLP
     from omegaconf import OmegaConf
 
-    distributed.init_process_group()
-    distributed.init_model_parallel()
+    init_single_process()
     config = transformer_config(OmegaConf.structured(ModelConfig), **config_overrides)
     submodules = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp.submodules
     torch.manual_seed(2)

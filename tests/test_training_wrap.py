@@ -2,19 +2,15 @@
 torch's per-op AdamW on the same gradients (one process)."""
 import torch
 
+from tests.conftest import build_single_process_gpt
+
 
 def test_cpu_optimizer_is_fused_and_matches_per_op_adamw():
     from aligner.config.schema import ModelConfig, OptimConfig
-    from aligner.models.gpt import build_gpt
     from aligner.models.training import wrap_for_training
-    from aligner.runtime import distributed
-    from aligner.runtime.seeding import seed_everything
     from omegaconf import OmegaConf
 
-    distributed.init_process_group()
-    distributed.init_model_parallel()
-    seed_everything(7)
-    gpt = build_gpt(OmegaConf.structured(ModelConfig), 300)
+    gpt = build_single_process_gpt(7)
     reference = {n: torch.nn.Parameter(p.detach().clone()) for n, p in gpt.named_parameters()}
     initial = {n: p.detach().clone() for n, p in gpt.named_parameters()}
     optim_cfg = OmegaConf.structured(OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, scheduler="constant",
