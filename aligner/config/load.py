@@ -5,19 +5,19 @@ in the launching process, before any rank starts; the message names the key.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from aligner import CONF_DIR
 from aligner.config.schema import COMMANDS
-from aligner.config.validate import validate
-
-
-class ConfigError(ValueError):
-    pass
+from aligner.config.validate import ConfigError, validate
 
 
 def _summary(error: BaseException) -> str:
@@ -44,8 +44,6 @@ def _schema_merge(schema, *configs) -> DictConfig:
 def _register_schemas() -> None:
     """Make each command's dataclass the base of its YAML (`defaults: [<name>_schema, ...]`), so
     Hydra itself type-checks every override against the schema."""
-    from hydra.core.config_store import ConfigStore
-
     for name, schema in COMMANDS.values():
         ConfigStore.instance().store(name=f"{name}_schema", node=schema)
 
@@ -54,9 +52,6 @@ def compose_config(command: str, overrides: list[str]) -> DictConfig:
     """Compose `conf/<command>.yaml` + overrides, type-check against the schema and resolve
     (interpolations frozen). Cross-field checks are the caller's: `load_config` for training
     commands, `aligner.servers.config` for servers."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
     if command not in COMMANDS:
         raise ConfigError(f"unknown command '{command}'; expected one of {sorted(COMMANDS)}")
     name, schema = COMMANDS[command]
@@ -85,8 +80,6 @@ def load_config(command: str, overrides: list[str], world_size: int | None = Non
 def _adopt_checkpoint_architecture(cfg) -> None:
     """With model.pretrained, the architecture (and vocabulary) are the checkpoint's; only the
     parallel layout and training-time options come from this config."""
-    import json
-
     meta_path = Path(cfg.model.pretrained) / "aligner.json"
     if not meta_path.exists():
         raise ConfigError(f"model.pretrained={cfg.model.pretrained} is not an aligner checkpoint (no aligner.json); "

@@ -41,7 +41,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aligner.data.jsonl import DataError, LoadStats, TokenizedDataset, json_type, read_jsonl
-from aligner.data.sft import adds_bos, check_messages, encode_text
+from aligner.data.sft import adds_bos, check_messages, encode_text, render_chat
+from aligner.data.synthetic import arithmetic_problems
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,8 @@ def encode_prompt_response(tokenizer, prompt, response, key: str) -> tuple[list[
     if head is None:
         raise DataError(f"'{key}' is a message list, so 'prompt' must be one too, got a string")
     tail = _response_messages(response, key)
-    prompt_text = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
-    text = tokenizer.apply_chat_template(head + tail, tokenize=False, add_generation_prompt=False)
+    prompt_text = render_chat(tokenizer, head, generation_prompt=True)
+    text = render_chat(tokenizer, head + tail)
     if not text.startswith(prompt_text):
         raise DataError(f"'{key}': the chat template is not prefix-stable: the prompt rendered with the generation "
                         f"prompt ({prompt_text[-40:]!r} at its end) is not a prefix of the whole conversation")
@@ -286,8 +287,6 @@ def load_unpaired_dataset(path: str | Path, tokenizer, fmt: str = "auto", max_le
 def synthetic_preferences(n: int, seed: int, max_operand: int = 9) -> list[dict]:
     """`n` chat pairs "What is a+b?" where the chosen answer is right and the rejected one is off by
     1..5; deterministic by seed. The KTO version of the same task is `synthetic_unpaired`."""
-    from aligner.data.synthetic import arithmetic_problems
-
     rng = random.Random(seed * 7 + 3)
     pairs = []
     for p in arithmetic_problems(n, seed, max_operand, ops="+"):

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aligner.data.jsonl import DataError, LoadStats, TokenizedDataset, json_type, read_jsonl
-from aligner.data.sft import adds_bos, check_chat
+from aligner.data.sft import adds_bos, check_chat, render_chat
+from aligner.data.synthetic import arithmetic_problems
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,6 @@ def encode_for_reward(tokenizer, text: str) -> list[int]:
     return ids
 
 
-def _render(tokenizer, messages: list[dict]) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-
-
 def _side(obj: dict, key: str, fmt: str) -> str | list:
     """The text (input_output) or the conversation (chat) of one side of a record."""
     prompt, response = obj.get("prompt"), obj.get(key)
@@ -93,7 +88,11 @@ def _side(obj: dict, key: str, fmt: str) -> str | list:
 
 
 def _encode_side(side, tokenizer) -> list[int]:
-    return encode_for_reward(tokenizer, side if isinstance(side, str) else _render(tokenizer, side))
+    if isinstance(side, str):
+        return encode_for_reward(tokenizer, side)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
+    return encode_for_reward(tokenizer, render_chat(tokenizer, side))
 
 
 def tokenize_reward_pair(obj: dict, tokenizer, fmt: str = "auto") -> PairSample:
@@ -186,8 +185,6 @@ def load_rm_dataset(path: str | Path, tokenizer, kind: str = "pairs", attributes
 def arithmetic_preferences(n: int, seed: int, max_operand: int = 9, ops: str = "+", chat: bool = True) -> list[dict]:
     """`n` pairs where the chosen response is the right answer to an arithmetic problem and the
     rejected one a wrong answer (the right one moved by 1..10); deterministic by seed."""
-    from aligner.data.synthetic import arithmetic_problems
-
     rng = random.Random(seed + 7919)
     records = []
     for problem in arithmetic_problems(n, seed, max_operand, ops):

@@ -39,7 +39,9 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    """The conversation as text, through the tokenizer's chat template (with the generation prompt
+    after it when `generation_prompt`)."""
     # tokenize=False returns the text; transformers 5 otherwise returns a BatchEncoding by default.
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
@@ -53,7 +55,7 @@ def tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int]
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
-    full_text = _render(tokenizer, messages, False)
+    full_text = render_chat(tokenizer, messages)
     ids = encode_text(tokenizer, full_text)
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
@@ -62,8 +64,8 @@ def tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int]
         if i == 0:
             raise DataError("the conversation starts with an assistant turn; expected a system or user message "
                             "before it")
-        prompt_text = _render(tokenizer, messages[:i], True)
-        turn_text = _render(tokenizer, messages[:i + 1], False)
+        prompt_text = render_chat(tokenizer, messages[:i], generation_prompt=True)
+        turn_text = render_chat(tokenizer, messages[:i + 1])
         if not turn_text.startswith(prompt_text):
             raise DataError(f"the chat template is not prefix-stable at messages[{i}]: the rendering of the messages "
                             f"before it with add_generation_prompt=True ({prompt_text[-40:]!r} at its end) is not a "

@@ -13,6 +13,9 @@ from typing import Iterable
 
 from aligner.data.jsonl import DataError
 
+# transformers and tokenizers are imported inside the functions: aligner.data imports this module, and the
+# CLI process imports aligner.data (through aligner.generation.cli) before it launches ranks.
+
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 ROLE_TOKENS = ("<|user|>", "<|assistant|>", "<|system|>")
 TINY_CHAT_TEMPLATE = (

@@ -18,6 +18,22 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from aligner.data.jsonl import read_token_sequences
+from aligner.data.steerlm import condition_ids, insert_condition, parse_condition
+from aligner.data.tokenizer import load_tokenizer
+from aligner.generation import rng
+from aligner.generation.types import DECODE_MODES, SamplingParams
+from aligner.launch.local import RankFailed, launch
+from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata
+from aligner.models.gpt import build_gpt
+from aligner.runtime.cpu_memory import keep_freed_memory
+
+# megatron, and the modules that import it (the engine, runtime.distributed, runtime.seeding), are
+# imported inside run_generation: the CLI process imports this module before it launches ranks.
+
 OVERRIDES = {  # key -> (type, default)
     "sampling.greedy": (bool, False),
     "sampling.temperature": (float, 1.0),
@@ -69,8 +85,6 @@ def parse_overrides(items: list[str]) -> dict:
         raise UsageError("batch_size, launcher.nproc_per_node and the parallel sizes must be >= 1")
     if nproc % (tp * pp):
         raise UsageError(f"launcher.nproc_per_node={nproc} is not a multiple of TP x PP = {tp} x {pp}")
-    from aligner.generation.types import DECODE_MODES
-
     if values["decode"] not in DECODE_MODES:
         raise UsageError(f"decode={values['decode']}: expected one of {', '.join(DECODE_MODES)}")
     if values["decode"] == "compiled" and tp > 1:
@@ -79,16 +93,12 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def sampling_params(values: dict):
-    from aligner.generation.types import SamplingParams
-
     return SamplingParams(**{key.split(".", 1)[1]: value for key, value in values.items()
                              if key.startswith("sampling.")})
 
 
 def read_prompts(path, tokenizer, vocab_size: int) -> list[list[int]]:
     """Token ids per non-blank line; a DataError (ValueError) names file:line for a bad line."""
-    from aligner.data.jsonl import read_token_sequences
-
     def tokenizer_for(where: str):
         if tokenizer is None:
             raise ValueError(f"{where}: a text prompt needs the checkpoint's tokenizer (DIR/tokenizer), "
@@ -100,9 +110,6 @@ def read_prompts(path, tokenizer, vocab_size: int) -> list[list[int]]:
 
 def steer(prompts: list[list[int]], attributes: str, model_dir: Path, tokenizer) -> list[list[int]]:
     """Each prompt with a SteerLM condition inserted as `aligner train steerlm` did."""
-    from aligner.data.steerlm import condition_ids, insert_condition, parse_condition
-    from aligner.models.checkpoint import read_metadata
-
     trained = read_metadata(model_dir).get("steerlm")
     if trained is None or tokenizer is None:
         raise ValueError(f"steerlm.attributes: {model_dir} is not a SteerLM checkpoint with a tokenizer "
@@ -114,17 +121,10 @@ def steer(prompts: list[list[int]], attributes: str, model_dir: Path, tokenizer)
 
 def run_generation(job: dict) -> None:
     """One rank: load the checkpoint under TP x PP, generate this data-parallel rank's share, rank 0 writes."""
-    import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from aligner.data.tokenizer import load_tokenizer
-    from aligner.generation import rng
     from aligner.generation.megatron_engine import MegatronEngine
-    from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
-    from aligner.models.gpt import build_gpt
     from aligner.runtime import distributed
-    from aligner.runtime.cpu_memory import keep_freed_memory
     from aligner.runtime.seeding import seed_everything
 
     values, model_dir = job["values"], Path(job["model"])
@@ -190,9 +190,6 @@ def generate_main(argv: list[str]) -> int:
             if not Path(path).exists():
                 raise UsageError(f"{what} {path} does not exist")
         if values["steerlm.attributes"]:  # checked here, before any rank starts
-            from aligner.data.steerlm import parse_condition
-            from aligner.models.checkpoint import read_metadata
-
             trained = read_metadata(args.model).get("steerlm")
             if trained is None:
                 raise UsageError(f"steerlm.attributes: {args.model} is not a SteerLM checkpoint "
@@ -207,8 +204,6 @@ def generate_main(argv: list[str]) -> int:
     if nproc == 1 or "WORLD_SIZE" in os.environ:  # a single rank, or torchrun/srun started every rank
         run_generation(job)
         return 0
-    from aligner.launch.local import RankFailed, launch
-
     try:
         launch("aligner.generation.cli:rank_main", [json.dumps(job)], nproc)
     except RankFailed as e:

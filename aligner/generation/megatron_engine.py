@@ -31,6 +31,7 @@ import time
 from typing import Optional, Sequence
 
 import torch
+from megatron.core.inference.contexts import StaticInferenceContext
 
 from aligner.generation import rng, sampling
 from aligner.generation.lean_decode import LeanDecoder, unsupported_reason
@@ -192,8 +193,6 @@ class MegatronEngine:
         return out[:, : self.vocab_size].float()
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollout:
-        from megatron.core.inference.contexts import StaticInferenceContext
-
         layout, device, lean = self._layout, self.device, self.decode in ("lean", "compiled")
         self._dtype = next(self.gpt.parameters()).dtype
         lengths = [len(p) for p in prompts]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 
 @dataclass
@@ -40,8 +41,6 @@ class StageLayout:
     @classmethod
     def current(cls) -> "StageLayout":
         """From megatron's parallel state (collective over the TP x PP group on first use)."""
-        from megatron.core import parallel_state as ps
-
         if ps.get_context_parallel_world_size() > 1:
             raise NotImplementedError("generation under context parallelism is not supported; build the "
                                       "engine's model with context_parallel_size=1")

@@ -9,6 +9,8 @@ taken back; the `min_new_tokens` ban is not reproduced (it only touches the firs
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from aligner.generation.sampling import filter_logits
 from aligner.generation.types import SamplingParams
@@ -16,8 +18,6 @@ from aligner.models.logprobs import vocab_parallel_logprobs
 
 
 def _tp():
-    from megatron.core import parallel_state as ps
-
     if ps.model_parallel_is_initialized():
         return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     return 1, 0
@@ -32,8 +32,6 @@ def filtered_local_logits(local_logits: torch.Tensor, params: SamplingParams, vo
     tp, rank = _tp()
     full = local_logits
     if tp > 1:
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
         full = gather_from_tensor_model_parallel_region(local_logits)
     padded = full.shape[-1]
     kept = filter_logits(full[..., :vocab_size], params)

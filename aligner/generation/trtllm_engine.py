@@ -20,10 +20,14 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
 from aligner.generation.types import (STOP_EOS, STOP_LENGTH, STOP_STRING, STOP_TOKEN, Rollout, SamplingParams,
                                       WeightStream)
 from aligner.runtime.optional import require
+
+# tensorrt_llm is imported inside the engine's methods: it is an optional dependency (GPU images only).
 
 MEMORY_TAGS = ("model", "kv_cache")
 
@@ -116,9 +120,7 @@ class TensorRTLLMEngine:
     def refit(self, weight_stream: Optional[WeightStream] = None) -> None:
         if weight_stream is None:
             raise ValueError("TensorRT-LLM holds its own copy of the weights: refit needs a weight stream")
-        import torch.distributed as dist
         from tensorrt_llm._torch.utils import get_device_uuid
-        from torch.multiprocessing.reductions import reduce_tensor
 
         uuid = get_device_uuid(torch.cuda.current_device())
         for payload in ipc_buckets(weight_stream, uuid, lambda t: reduce_tensor(t.cuda().contiguous())):

@@ -12,6 +12,10 @@ from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from aligner.models import hf_weights as hw
+from aligner.models.gpt import layer_offset
 
 
 @torch.no_grad()
@@ -46,12 +50,6 @@ class _HFLoader:
     """Hugging Face named buckets -> this rank's parameter shards (parts may arrive in any bucket)."""
 
     def __init__(self, model, params, model_cfg, vocab_size):
-        from megatron.core import parallel_state as ps
-
-        from aligner.models import hf_weights as hw
-        from aligner.models.gpt import layer_offset
-
-        self.hw = hw
         self.tp, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         self.geometry = hw.Geometry.of(model_cfg, vocab_size, self.tp)
         offset = layer_offset(model_cfg)
@@ -72,8 +70,8 @@ class _HFLoader:
         done = set()
         for canonical, (param, names) in list(self.waiting.items()):
             if all(n in self.parts for n in names):
-                full = self.hw.from_hf(canonical, self.parts.__getitem__, self.geometry)
-                _copy(param, self.hw.shard(canonical, full, self.tp, self.tp_rank).to(param.dtype), canonical)
+                full = hw.from_hf(canonical, self.parts.__getitem__, self.geometry)
+                _copy(param, hw.shard(canonical, full, self.tp, self.tp_rank).to(param.dtype), canonical)
                 del self.waiting[canonical]
                 done.add(canonical)
         still = {n for _, names in self.waiting.values() for n in names}
@@ -92,8 +90,6 @@ def _true_rows(name: str, tensor: torch.Tensor, vocab_size: int | None) -> torch
     """Drop megatron's vocabulary padding rows (never read) from an embedding / output shard."""
     if vocab_size is None or not name.endswith(_VOCAB_ROWS):
         return tensor
-    from megatron.core import parallel_state as ps
-
     start = ps.get_tensor_model_parallel_rank() * tensor.shape[0]
     return tensor[: max(0, min(tensor.shape[0], vocab_size - start))]
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from aligner.runtime.distributed import free_port
+from aligner.runtime.ports import free_port
 from aligner.runtime.preemption import EXIT_PREEMPTED, STOP_SIGNAL, requested as stop_requested
 
 

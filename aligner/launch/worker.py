@@ -9,13 +9,12 @@ import os
 import sys
 import traceback
 
+from aligner.observe.logs import silence_expected_warnings
+from aligner.runtime import preemption
+
 
 def main(argv: list[str]) -> int:
-    from aligner.runtime import preemption
-
     preemption.install()  # before the heavy imports: SIGUSR1 would kill the rank until then
-    from aligner.observe.logs import silence_expected_warnings
-
     silence_expected_warnings()
     module, function = argv[0].split(":")
     try:

@@ -11,7 +11,12 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from aligner.models import rope
 from aligner.runtime.optional import probe, require
+
+# megatron, and our modules that import it (cp_attention, swiglu), are imported inside the functions:
+# the CLI process imports this module (`aligner convert` through hf_weights, `aligner generate`) before
+# it launches ranks.
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -95,9 +100,7 @@ def build_gpt(m, vocab_size: int, pre_process: bool | None = None, post_process:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from aligner.models import rope
-
-    rope.install()
+    rope.install_fused_rope()
     config = transformer_config(m)
     model = GPTModel(
         config=config,

@@ -8,7 +8,9 @@ the hidden states arrive split along the sequence and are gathered first.
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 HEAD_KINDS = ("lm", "reward", "value")
 
@@ -29,14 +31,10 @@ class ScalarHead(MegatronModule):
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype)), None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         return make_sharded_tensors_for_checkpoint({"weight": self.weight}, prefix, {}, sharded_offsets)
 
 

@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from megatron.core.transformer.mlp import MLP
+
+from aligner.models.checkpoint import unwrap
+from aligner.models.sdpa_attention import FusedCoreAttention
 
 
 def final_layer(gpt):
     """The final transformer layer when `read_only` may skip positions in it, else None."""
-    from megatron.core.transformer.mlp import MLP
-
     config = gpt.config
     if not gpt.post_process or config.sequence_parallel or config.recompute_granularity is not None:
         return None
@@ -47,9 +49,6 @@ def read_only(model, rows: torch.Tensor):
     """Within the block, forwards of `model` (a GPTModel, possibly wrapped) compute its final layer
     only at `rows` where they can (see the module doc): indices into the [s * b] positions of
     megatron's [s, b, hidden] layout (position t of batch row i is t * b + i), ascending."""
-    from aligner.models.checkpoint import unwrap
-    from aligner.models.sdpa_attention import FusedCoreAttention
-
     layer = final_layer(unwrap(model))
     if layer is None:
         yield

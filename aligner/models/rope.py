@@ -9,13 +9,16 @@ empty pass-through part: ~10 ops forward and as many backward per tensor. Here t
 with the (cos, signed sin) tables cached for the frequency tensor of the current forward (GPTModel
 passes one tensor to every layer, for queries and keys alike). Results equal megatron's bitwise.
 
-`install()` points megatron's attention module at `apply_rotary_pos_emb` below, which takes the
+`install_fused_rope()` points megatron's attention module at `apply_rotary_pos_emb` below, which takes the
 plain case (whole-head, non-interleaved RoPE on [s, b, heads, d] without packed `cu_seqlens`,
 mscale 1, no Transformer-Engine fusion) and hands every other case to megatron's own function.
 """
 from __future__ import annotations
 
 import torch
+
+# megatron's attention module is imported inside install_fused_rope: models.gpt imports this module, and
+# the CLI process imports gpt before it launches ranks.
 
 _original = None
 _last: tuple | None = None  # (freqs, dtype, cos, signed_sin) of the latest forward
@@ -63,7 +66,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
     return _original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
 
 
-def install() -> None:
+def install_fused_rope() -> None:
     """Route megatron's attention layers through `apply_rotary_pos_emb` (once per process)."""
     global _original
     from megatron.core.transformer import attention

@@ -21,7 +21,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
+
+from aligner.data.packing import tree_attention_mask
 
 
 @dataclass
@@ -37,8 +40,6 @@ class BlockDiagonalMask:
     @classmethod
     def from_tree(cls, segments: torch.Tensor, parents: torch.Tensor, bounds: list[int]) -> "BlockDiagonalMask":
         """Each block's `tree_attention_mask` (block ids as in `aligner.data.packing`)."""
-        from aligner.data.packing import tree_attention_mask
-
         return cls(list(bounds), [~tree_attention_mask(segments[:, a:e], parents[:, a:e])
                                   for a, e in zip(bounds, bounds[1:])])
 
@@ -99,8 +100,6 @@ def use_fused_attention(gpt) -> int:
     """Replace megatron's local `DotProductAttention` in every layer of `gpt` by `FusedCoreAttention`
     (it holds no weights, so checkpoints do not change), unless attention dropout, query-key layer
     scaling or a sliding window is on. Returns how many layers were changed."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     config = gpt.config
     if config.attention_dropout > 0 or config.apply_query_key_layer_scaling or config.window_size is not None:
         return 0

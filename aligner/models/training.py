@@ -3,19 +3,17 @@ optimizer), the megatron optimizer (Adam, grad clipping) and the LR/WD schedule.
 from __future__ import annotations
 
 import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
 
 
 def wrap_for_training(model, model_cfg, optim_cfg):
     """Returns (ddp_model, optimizer, scheduler). Sets the config hooks megatron's schedules use."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     config = model.config
     bf16 = model_cfg.params_dtype == "bfloat16"
     if bf16:
-        from megatron.core.transformer.module import Float16Module
-
         model = Float16Module(config, model)
     ddp = DistributedDataParallel(
         config=config,

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from aligner.models import hf_weights as hw
 
@@ -76,8 +77,6 @@ class _Layout:
 
     @classmethod
     def current(cls) -> "_Layout":
-        from megatron.core import parallel_state as ps
-
         pp_group = ps.get_pipeline_model_parallel_group()
         pp_ranks = tuple(dist.get_process_group_ranks(pp_group)) if ps.get_pipeline_model_parallel_world_size() > 1 \
             else (dist.get_rank(),)

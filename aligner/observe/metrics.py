@@ -8,6 +8,11 @@ import json
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
+# TensorBoard's writer is imported inside MetricsLog: it imports torch, and aligner.observe stays free
+# of torch at import (the CLI process imports aligner.observe.logs before it launches ranks).
+
 
 class MetricsLog:
     def __init__(self, run_dir, tensorboard: bool = True, resume_step: int = 0):
@@ -43,8 +48,6 @@ class Progress:
     def __init__(self, total: int, initial: int, enabled: bool):
         self.bar = None
         if enabled:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def update(self, metrics: dict) -> None:

@@ -2,27 +2,51 @@
 
 They are applied once per process by `apply()`, and only when CUDA is absent, so the GPU path is
 untouched. We never edit megatron-core's files; every shim replaces a `torch.cuda` entry point, or one
-megatron function, with its CPU meaning. What each works around (megatron-core 0.16.1):
-* P1 `torch.cuda.current_device`: buffers allocated on `torch.cuda.current_device()`:
-  `core/utils.py` GlobalMemoryBuffer.get_tensor (every DotProductAttention forward),
-  `rotary_pos_embedding.py` RotaryEmbedding.get_emb, the tensor-parallel mappings, the pipeline's
-  p2p receive buffers and the DDP gradient buffers (`param_and_grad_buffer.py`).
-* P2 the CUDA RNG calls: `tensor_parallel/random.py` model_parallel_cuda_manual_seed ->
-  CudaRNGStatesTracker.add, and `get_cuda_rng_tracker().fork()` in every DotProductAttention forward.
-* P3 `torch.cuda.synchronize`: `pipeline_parallel/p2p_communication.py` after batched isend/irecv
-  (batch_p2p_sync), and `dist_checkpointing/strategies/filesystem_async.py` preload_tensors.
-* P4 `device="cuda"` literals and `.cuda()`: `pipeline_parallel/schedules.py` (total_num_tokens in
-  every schedule), `models/common/language_module/language_module.py` (tied embeddings under PP),
-  the optimizer and `optimizer/clip_grads.py` buffers, inference's text_generation_controller.
-* P6 the optimizers dispatch on `t.type() == "torch.cuda.FloatTensor"`: `optimizer/distrib_optimizer.py`
-  (wrapped parameter types), `optimizer/optimizer.py`, and the assert in `optimizer/clip_grads.py`
+megatron function, with its CPU meaning. What each works around, in megatron-core 0.16.1 (paths under
+`megatron/core/`; upstream assumes one CUDA device per rank and NCCL, whose collectives need CUDA tensors):
+* P1 `torch.cuda.current_device()` as the device of new buffers: `utils.py` GlobalMemoryBuffer.get_tensor
+  (the attention's scratch buffer), `models/common/embeddings/rotary_pos_embedding.py`
+  RotaryEmbedding.__init__ and get_emb (the inverse frequencies), `tensor_parallel/mappings.py`
+  _gather_along_first_dim, _gather_along_last_dim and _reduce_scatter_along_first_dim (collective
+  outputs), `pipeline_parallel/p2p_communication.py` P2PCommunicator._communicate_shapes and
+  _communicate (receive buffers) and `distributed/param_and_grad_buffer.py` _ParamAndGradBuffer.__init__
+  (the DDP grad buffers).
+* P2 the CUDA RNG: `tensor_parallel/random.py` model_parallel_cuda_manual_seed calls
+  `torch.cuda.manual_seed` and CudaRNGStatesTracker.add, which saves and restores the CUDA generator
+  (`torch.cuda.get_rng_state`, _get_cuda_rng_state / _set_cuda_rng_state); CudaRNGStatesTracker.fork
+  swaps it around every tensor-parallel region (`transformer/dot_product_attention.py`
+  DotProductAttention.forward). Upstream keeps one CUDA generator stream per TP rank so that dropout
+  inside TP regions differs across TP ranks while the default stream stays identical.
+* P3 `torch.cuda.synchronize()`: `pipeline_parallel/p2p_communication.py` P2PCommunicator._communicate_shapes
+  and _communicate (with batch_p2p_sync: "to protect against race condition when using
+  batch_isend_irecv()"), and `dist_checkpointing/strategies/filesystem_async.py`
+  FileSystemWriterAsync.preload_tensors (waits for its non-blocking device-to-host copies).
+* P4 `device="cuda"` literals and `.cuda()`: `pipeline_parallel/schedules.py` forward_backward_no_pipelining,
+  forward_backward_pipelining_with_interleaving / _without_interleaving (`total_num_tokens`, all-reduced
+  for per-token losses), `models/common/language_module/language_module.py`
+  LanguageModule.setup_embeddings_and_output_layer (tied embeddings under PP, all-reduced between the
+  first and last stage), `optimizer/clip_grads.py` get_grad_norm_fp32, clip_grad_by_total_norm_fp32 and
+  count_zeros_fp32 (norms all-reduced over the model-parallel group), `optimizer/optimizer.py`
+  MixedPrecisionOptimizer.__init__ and FP32Optimizer.__init__ (found-inf flag and loss scale), and
+  `inference/text_generation_controllers/text_generation_controller.py`
+  TextGenerationController.generate_all_output_tokens_static_batch.
+* P6 the optimizers dispatch on `t.type() == "torch.cuda.FloatTensor"` (and the Half / BFloat16 names)
+  to tell fp32 parameters from fp16/bf16 ones: `optimizer/distrib_optimizer.py`
+  DistributedOptimizer._build_model_and_main_param_groups and __init__, `optimizer/optimizer.py`
+  Float16OptimizerWithFloat16Params.__init__, and the assert in `optimizer/clip_grads.py`
   clip_grad_by_total_norm_fp32.
-* P7 `torch.cuda.Event`: `inference/text_generation_controllers/text_generation_controller.py` times
-  each decode step with CUDA events.
-* P8 `pin_memory=True`: `models/common/embeddings/rope_utils.py` get_pos_emb_on_this_cp_rank (CP > 1).
-* P9 `torch.cuda.current_stream`: `param_and_grad_buffer.py` start_grad_sync (from megatron-core 0.19).
-* P10 `transformer/torch_norm.py` WrappedTorchNorm asserts `not config.sequence_parallel`: only the
-  apex/TE norms support sequence parallelism upstream.
+* P7 `torch.cuda.Event(enable_timing=True)`: `inference/text_generation_controllers/text_generation_controller.py`
+  TextGenerationController.generate_all_output_tokens_static_batch times prefill and decode with it.
+* P8 `pin_memory=True`: `models/common/embeddings/rope_utils.py` get_pos_emb_on_this_cp_rank (CP > 1)
+  pins the index tensor for an asynchronous host-to-device copy; pinning needs CUDA.
+* P9 CUDA streams: `distributed/distributed_data_parallel.py` DistributedDataParallel.__init__ creates a
+  communication stream (`torch.cuda.Stream`), and `distributed/param_and_grad_buffer.py`
+  _ParamAndGradBucketGroup.start_grad_sync reduces gradients under `torch.cuda.stream(...)` on it, to
+  overlap the reduction with compute, when the distributed optimizer has several instances
+  (num_distributed_optimizer_instances > 1); `torch.cuda.current_stream` is replaced with them. On CPU
+  every op is already ordered.
+* P10 `transformer/torch_norm.py` WrappedTorchNorm.__new__ asserts `not config.sequence_parallel`:
+  upstream, only the apex and Transformer-Engine norms support sequence parallelism.
 """
 from __future__ import annotations
 
@@ -30,7 +54,10 @@ import contextlib
 import copy
 import time
 
+import megatron.core.tensor_parallel.random as tp_random
 import torch
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from torch.overrides import _get_current_function_mode_stack
 
 _applied = False
 
@@ -113,8 +140,6 @@ def _sequence_parallel_torch_norm():
     """P10: the local spec's torch norm refuses sequence_parallel. A torch norm is correct under
     SP when its parameters are tagged `sequence_parallel`, because megatron's
     finalize_model_grads then all-reduces their grads over TP."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
     build = WrappedTorchNorm.__new__
 
     def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
@@ -139,8 +164,6 @@ def apply() -> bool:
         return False
     if _applied:
         return True
-    import megatron.core.tensor_parallel.random as tp_random
-
     torch.cuda.current_device = lambda: "cpu"  # P1: a str, so it is not read as an ordinal
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # P2
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
@@ -168,7 +191,5 @@ def enter_thread() -> None:
     """Push the literal-rewriting mode on the calling thread (idempotent per thread)."""
     if torch.cuda.is_available():
         return
-    from torch.overrides import _get_current_function_mode_stack
-
     if not any(isinstance(m, _CudaLiteralsToCpu) for m in _get_current_function_mode_stack()):
         _CudaLiteralsToCpu().__enter__()

@@ -5,6 +5,8 @@ import random
 
 import numpy as np
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 
 def seed_everything(seed: int) -> None:
@@ -14,9 +16,6 @@ def seed_everything(seed: int) -> None:
     masks where megatron expects it; megatron's tracker offsets the TP-local stream itself.
     Pipeline stages get different seeds (seed + 100 * pp_rank), as in Megatron-LM.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -25,8 +24,6 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
              "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
@@ -35,8 +32,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -34,7 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aligner.runtime.optional import require
 from aligner.servers import protocol
+
+# tritonclient and geventhttpclient are imported inside the methods that call a server: they are optional
+# (the `serve` extra), and `require` names the extra to install when they are missing.
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +133,6 @@ class EndpointClient:
 
     def _connection(self):
         if getattr(self._local, "client", None) is None:
-            from aligner.runtime.optional import require
-
             require("tritonclient")
             import tritonclient.http as http
 

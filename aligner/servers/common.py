@@ -11,7 +11,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from aligner.data.preference_rm import encode_for_reward
+from aligner.data.tokenizer import load_tokenizer
+from aligner.observe.logs import configure_logging
+from aligner.runtime import distributed
+from aligner.runtime.seeding import seed_everything
+from aligner.servers.engine import STOP, Broadcaster, follow, on_device
 from aligner.servers.protocol import RequestError, check_rows, check_tokens, decode_texts
+from aligner.servers.triton import serve_bindings
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +28,6 @@ COLLECTIVE_TIMEOUT_S = 30 * 24 * 3600
 
 def init_job(cfg) -> None:
     """Process group (long collective timeout), model parallel state, threads, logging, seed."""
-    from aligner.observe.logs import configure_logging
-    from aligner.runtime import distributed
-    from aligner.runtime.seeding import seed_everything
-
     distributed.init_process_group(timeout_s=COLLECTIVE_TIMEOUT_S)
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.launcher.threads_per_rank)
@@ -41,15 +44,11 @@ class Job:
     that request."""
 
     def __init__(self):
-        from aligner.servers.engine import Broadcaster
-
         self.broadcaster, self.lock = Broadcaster(), threading.Lock()
         self.stop, self.failed = threading.Event(), threading.Event()
 
     @contextlib.contextmanager
     def step(self, command: int, tensors: dict | None = None):
-        from aligner.servers.engine import on_device
-
         with self.lock, on_device():
             try:
                 yield self.broadcaster.send(command, tensors)
@@ -62,8 +61,6 @@ class Job:
 
     def release(self) -> bool:
         """Tell the other ranks to stop; False when they are already gone."""
-        from aligner.servers.engine import STOP
-
         with self.lock:
             try:
                 self.broadcaster.send(STOP)
@@ -77,13 +74,9 @@ def run_job(cfg, job: Job | None, bindings_factory, handlers: dict) -> None:
     """Rank 0 (with its `job`) serves `bindings_factory()` until SIGTERM, then releases the other
     ranks, which run `handlers` for each broadcast command meanwhile. All then leave the process
     group; a rank whose handler fails exits at once, so that rank 0's collective fails too."""
-    from aligner.runtime import distributed
-    from aligner.servers.engine import Broadcaster, follow
-    from aligner.servers.triton import serve
-
     if torch.distributed.get_rank() == 0:
         try:
-            serve(cfg.server, cfg.run_dir, bindings_factory(), stop=job.stop)
+            serve_bindings(cfg.server, cfg.run_dir, bindings_factory(), stop=job.stop)
         finally:  # after a failed step the other ranks may wait in any collective: leave them to fail
             if not job.failed.is_set() and job.release():
                 distributed.shutdown()
@@ -99,8 +92,6 @@ def run_job(cfg, job: Job | None, bindings_factory, handlers: dict) -> None:
 
 def load_server_tokenizer(path, checkpoint=None):
     """The tokenizer for text requests: `path`, else `<checkpoint>/tokenizer`, else None."""
-    from aligner.data.tokenizer import load_tokenizer
-
     if path:
         return load_tokenizer(path)
     if checkpoint and (Path(checkpoint) / "tokenizer").is_dir():
@@ -123,8 +114,6 @@ class RequestReader:
             if self.tokenizer is None:
                 raise RequestError("this server has no tokenizer, so it cannot score 'sentences'; send 'tokens' "
                                    "and 'sequence_lengths', or start it with tokenizer=DIR")
-            from aligner.data.preference_rm import encode_for_reward
-
             rows = [np.array(encode_for_reward(self.tokenizer, t), dtype=np.int64)
                     for t in decode_texts(request, max_rows=self.max_rows)]
             longest = max(len(r) for r in rows)

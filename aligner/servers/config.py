@@ -5,21 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from aligner.config import ConfigError, compose_config, load_resolved
+from aligner.rewards import VERIFIERS
+
 KINDS = ("reward", "critic", "verifier")
-
-
-def _fail(msg: str):
-    from aligner.config import ConfigError
-
-    raise ConfigError(msg)
 
 
 def load_serve_config(kind: str, overrides: list[str]):
     """Compose, type-check, resolve and check `aligner serve <kind>`'s config."""
-    from aligner.config import compose_config
-
     if kind not in KINDS:
-        _fail(f"unknown server '{kind}'; expected one of {', '.join(KINDS)}")
+        raise ConfigError(f"unknown server '{kind}'; expected one of {', '.join(KINDS)}")
     cfg = compose_config(f"serve_{kind}", overrides)
     check(kind, cfg)
     return cfg
@@ -27,18 +22,16 @@ def load_serve_config(kind: str, overrides: list[str]):
 
 def load_resolved_serve_config(path, kind: str):
     """Re-load the resolved config.yaml the CLI wrote (what every launched rank reads)."""
-    from aligner.config import load_resolved
-
     return load_resolved(path, f"serve_{kind}")
 
 
 def _checkpoint_meta(key: str, path) -> dict:
     meta = Path(path) / "aligner.json"
     if not Path(path).is_dir():
-        _fail(f"{key}={path} does not exist")
+        raise ConfigError(f"{key}={path} does not exist")
     if not (Path(path) / "COMPLETE").exists() or not meta.exists():
-        _fail(f"{key}={path} is not a complete aligner checkpoint; convert Hugging Face models with "
-              f"`aligner convert hf-to-mcore`")
+        raise ConfigError(f"{key}={path} is not a complete aligner checkpoint; convert Hugging Face models with "
+                          f"`aligner convert hf-to-mcore`")
     return json.loads(meta.read_text())
 
 
@@ -53,58 +46,56 @@ def check(kind: str, cfg) -> None:
              "server.metrics_port": s.metrics_port if s.metrics_port is not None else http + 2}
     for key, port in named.items():
         if not 1 <= port <= 65535:
-            _fail(f"{key}={port} is not a TCP port (1..65535)")
+            raise ConfigError(f"{key}={port} is not a TCP port (1..65535)")
     if len(set(named.values())) != 3:
-        _fail(f"the HTTP, gRPC and metrics ports must differ, got {named}")
+        raise ConfigError(f"the HTTP, gRPC and metrics ports must differ, got {named}")
     if s.max_batch_size < 1 or s.forward_micro_batch_size < 1:
-        _fail("server.max_batch_size and server.forward_micro_batch_size must be >= 1")
+        raise ConfigError("server.max_batch_size and server.forward_micro_batch_size must be >= 1")
     if s.max_seq_length is not None and s.max_seq_length < 1:
-        _fail(f"server.max_seq_length must be >= 1, got {s.max_seq_length}")
+        raise ConfigError(f"server.max_seq_length must be >= 1, got {s.max_seq_length}")
     if s.exit_timeout_s < 0 or s.max_queue_delay_us < 0:
-        _fail("server.exit_timeout_s and server.max_queue_delay_us must be >= 0")
+        raise ConfigError("server.exit_timeout_s and server.max_queue_delay_us must be >= 0")
     if cfg.get("tokenizer") and not Path(cfg.tokenizer).is_dir():
-        _fail(f"tokenizer={cfg.tokenizer} is not a directory")
+        raise ConfigError(f"tokenizer={cfg.tokenizer} is not a directory")
     if kind == "verifier":
-        from aligner.rewards import VERIFIERS
-
         if cfg.verifier not in VERIFIERS:
-            _fail(f"verifier={cfg.verifier} is unknown; expected one of {', '.join(sorted(VERIFIERS))}")
+            raise ConfigError(f"verifier={cfg.verifier} is unknown; expected one of "
+                              f"{', '.join(sorted(VERIFIERS))}")
         return
     p = cfg.parallel
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if mp < 1 or cfg.launcher.nproc_per_node % mp:
-        _fail(f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} is not a multiple of parallel.tensor x "
-              f"pipeline_model_parallel_size = {mp}")
-    if p.params_dtype not in (None, "float32", "bfloat16"):
-        _fail(f"parallel.params_dtype must be float32 or bfloat16, got {p.params_dtype}")
+        raise ConfigError(f"launcher.nproc_per_node={cfg.launcher.nproc_per_node} is not a multiple of "
+                          f"parallel.tensor x pipeline_model_parallel_size = {mp}")
     r = cfg.reward
     if r.standardize and not r.std > 0:
-        _fail(f"reward.std must be > 0 to standardise rewards, got {r.std}")
+        raise ConfigError(f"reward.std must be > 0 to standardise rewards, got {r.std}")
     if kind == "reward":
         meta = _checkpoint_meta("checkpoint", cfg.checkpoint)
         if meta.get("head") != "reward":
-            _fail(f"checkpoint={cfg.checkpoint} has a '{meta.get('head', 'lm')}' head, not a reward model's")
+            raise ConfigError(f"checkpoint={cfg.checkpoint} has a '{meta.get('head', 'lm')}' head, "
+                              f"not a reward model's")
         reward_meta = meta
     else:
         if cfg.checkpoint is None and not (Path(cfg.run_dir) / "checkpoints").is_dir():
-            _fail("the critic needs initial weights: pass checkpoint=DIR (a reward, language-model or critic "
-                  "checkpoint), or a run_dir with critic checkpoints to resume")
+            raise ConfigError("the critic needs initial weights: pass checkpoint=DIR (a reward, language-model or "
+                              "critic checkpoint), or a run_dir with critic checkpoints to resume")
         meta = _checkpoint_meta("checkpoint", cfg.checkpoint) if cfg.checkpoint else None
         reward_meta = _checkpoint_meta("reward_checkpoint", cfg.reward_checkpoint) if cfg.reward_checkpoint else None
         if reward_meta is not None and reward_meta.get("head") != "reward":
-            _fail(f"reward_checkpoint={cfg.reward_checkpoint} is not a reward model")
+            raise ConfigError(f"reward_checkpoint={cfg.reward_checkpoint} is not a reward model")
         t = cfg.trainer
         dp = cfg.launcher.nproc_per_node // mp
         if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp):
-            _fail(f"trainer.global_batch_size={t.global_batch_size} must be a multiple of trainer.micro_batch_size="
-                  f"{t.micro_batch_size} x data-parallel size {dp}")
+            raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} must be a multiple of "
+                              f"trainer.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}")
         if t.epochs < 1 or t.loss_clip <= 0:
-            _fail("trainer.epochs must be >= 1 and trainer.loss_clip > 0")
+            raise ConfigError("trainer.epochs must be >= 1 and trainer.loss_clip > 0")
     for m in (meta, reward_meta):
         if m and m["model"]["num_attention_heads"] % p.tensor_model_parallel_size:
-            _fail(f"the model's {m['model']['num_attention_heads']} attention heads do not split over "
-                  f"parallel.tensor_model_parallel_size={p.tensor_model_parallel_size}")
+            raise ConfigError(f"the model's {m['model']['num_attention_heads']} attention heads do not split over "
+                              f"parallel.tensor_model_parallel_size={p.tensor_model_parallel_size}")
     if reward_meta is not None and r.attribute_weights is not None and _outputs(reward_meta) is not None \
             and len(r.attribute_weights) != _outputs(reward_meta):
-        _fail(f"reward.attribute_weights has {len(r.attribute_weights)} entries, the reward model has "
-              f"{_outputs(reward_meta)} outputs")
+        raise ConfigError(f"reward.attribute_weights has {len(r.attribute_weights)} entries, the reward model has "
+                          f"{_outputs(reward_meta)} outputs")

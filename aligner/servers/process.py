@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,9 +34,6 @@ class ServerFailed(RuntimeError):
 def free_port_block(host: str = "127.0.0.1", n: int = 3, low: int = 20000, high: int = 32000) -> int:
     """A base port p with p..p+n-1 free (HTTP, gRPC, metrics), below Linux's ephemeral range so that
     no outgoing connection takes one before the server binds it. Best effort: bind-checked now."""
-    import random
-    import socket
-
     for _ in range(500):
         base = random.randrange(low, high - n)
         try:

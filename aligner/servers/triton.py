@@ -1,6 +1,6 @@
 """The PyTriton adapter: the one server-side module that imports pytriton.
 
-`serve` binds endpoints (`protocol.Endpoint`) to Python callables and runs until SIGTERM/SIGINT:
+`serve_bindings` binds endpoints (`protocol.Endpoint`) to Python callables and runs until SIGTERM/SIGINT:
 * HTTP on `server.port`, gRPC on port + 1 and metrics on port + 2 unless set, all bound to
   `server.host` (127.0.0.1 by default; PyTriton's own default is 0.0.0.0);
 * the ports are checked free first (a clash would otherwise let PyTriton's start-up talk to the
@@ -27,7 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from aligner.runtime.optional import require
 from aligner.servers.protocol import Endpoint
+
+# pytriton is imported inside the functions that serve: it is optional (the `serve` extra), and the CLI
+# process imports this module (port checks) before it launches ranks.
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +97,8 @@ def _plain_requests(function):
     return call
 
 
-def serve(server, run_dir, bindings: list[Binding], stop: threading.Event | None = None) -> None:
+def serve_bindings(server, run_dir, bindings: list[Binding], stop: threading.Event | None = None) -> None:
     """Serve `bindings` until SIGTERM/SIGINT (or `stop` is set); blocks. Call from the main thread."""
-    from aligner.runtime.optional import require
-
     fix_libpython()
     require("pytriton")
     from pytriton.model_config import DynamicBatcher, ModelConfig

@@ -10,22 +10,21 @@ import logging
 
 import numpy as np
 
+from aligner.data.tokenizer import load_tokenizer
+from aligner.observe.logs import configure_logging
+from aligner.rewards import get_verifier
+from aligner.servers.config import load_resolved_serve_config
+from aligner.servers.protocol import VERIFIER, RequestError, check_rows, check_tokens, decode_texts
+from aligner.servers.triton import Binding, serve_bindings
+
 log = logging.getLogger(__name__)
 
 
 def main(argv: list[str]) -> None:
-    from aligner.servers.config import load_resolved_serve_config
-
     run(load_resolved_serve_config(argv[0], "verifier"))
 
 
 def run(cfg) -> None:
-    from aligner.observe.logs import configure_logging
-    from aligner.rewards import get_verifier
-    from aligner.data.tokenizer import load_tokenizer
-    from aligner.servers.protocol import VERIFIER, RequestError, check_rows, check_tokens, decode_texts
-    from aligner.servers.triton import Binding, serve
-
     configure_logging(0)
     rule = get_verifier(cfg.verifier)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
@@ -58,4 +57,4 @@ def run(cfg) -> None:
             outputs.append({"rewards": np.array(rewards, dtype=np.float32).reshape(-1, 1)})
         return outputs
 
-    serve(cfg.server, cfg.run_dir, [Binding(VERIFIER, verify, max_rows)])
+    serve_bindings(cfg.server, cfg.run_dir, [Binding(VERIFIER, verify, max_rows)])
