@@ -139,5 +139,21 @@ def sum_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
     return _SumOverGroup.apply(tensor, group)
 
 
+@torch.no_grad()
+def masked_global_mean_var(values: torch.Tensor, mask: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and population variance of `values` where `mask` is set, over every rank of `group`
+    (advantage whitening across data parallelism). Two all-reduces: sum and count first, then the
+    squared deviations from the global mean (no E[x^2] - E[x]^2 cancellation). Empty: (0, 0)."""
+    valid = mask.bool()
+    values = torch.where(valid, values.float(), 0.0)
+    sum_count = torch.stack([values.sum(), valid.sum().float()])
+    dist.all_reduce(sum_count, group=group)
+    count = sum_count[1].clamp(min=1)
+    mean = sum_count[0] / count
+    squares = torch.where(valid, values - mean, 0.0).pow(2).sum()
+    dist.all_reduce(squares, group=group)
+    return mean, squares / count
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
