@@ -37,7 +37,7 @@ class DPO(PreferenceAlgorithm):
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.loss_type = cfg.loss_type.value if hasattr(cfg.loss_type, "value") else str(cfg.loss_type)
+        self.loss_type = cfg.loss_type
         self.rewards = self.loss_type.startswith("rpo")
 
     def sequences(self, sample) -> list:

@@ -177,7 +177,6 @@ def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
     model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
     packing = {"packed": packed, "capacity": d.pack_length}
     mode = cfg.reference.mode if "reference" in cfg else None
-    mode = getattr(mode, "value", mode)
     trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(algorithm.loss, vocab_size),
                                 train, val, PreferenceFormat(algorithm, tokenizer.pad_token_id), vocab_size,
                                 tokenizer, algorithm=algorithm, reference_mode=mode, packing=packing)

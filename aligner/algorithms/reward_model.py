@@ -193,7 +193,7 @@ def main(argv: list[str]) -> None:
 def run(cfg) -> None:
     """One rank of `aligner train rm` with a validated config."""
     m, rm, d = cfg.model, cfg.rm, cfg.data
-    loss = rm.loss.value if hasattr(rm.loss, "value") else str(rm.loss)
+    loss = rm.loss
     attributes = list(rm.attributes)
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)

@@ -154,7 +154,7 @@ def run(cfg) -> None:
     engine = MegatronEngine(model, m, vocab_size, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                             tokenizer=tokenizer, max_batch_size=cfg.spin.generation_batch_size)
     dpo = DPO(cfg.dpo)
-    mode = getattr(cfg.reference.mode, "value", cfg.reference.mode)
+    mode = cfg.reference.mode
     placeholder = spin_pairs(list(prompts), list(truths), list(truths), d.max_length)  # replaced at the first step
     trainer = SPINTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(dpo.loss, vocab_size),
                           placeholder, None, PreferenceFormat(dpo, tokenizer.pad_token_id), vocab_size, tokenizer,

@@ -108,9 +108,7 @@ def sequence_reduction(sequence_loss: Callable[[torch.Tensor, torch.Tensor, dict
 
     def reduce(values, local, batch):
         sums, counts = sequence_sums(values, local, batch)
-        loss, count, report = sequence_loss(sums, counts, batch)
-        keep = _on_context_parallel_rank0()
-        return loss, count * keep, {k: v * keep for k, v in report.items()}
+        return _counted_once(*sequence_loss(sums, counts, batch))
 
     return reduce
 
@@ -120,20 +118,17 @@ def last_token_reduction(score_loss: Callable[[torch.Tensor, dict], tuple]) -> R
     `score_loss(scores [b, k], batch)`; the scores are summed over the CP group."""
 
     def reduce(values, local, batch):
-        scores = scores_at_row_ends(values, batch["lengths"], local["position_ids"][0])
-        loss, count, report = score_loss(scores, batch)
-        keep = _on_context_parallel_rank0()
-        return loss, count * keep, {k: v * keep for k, v in report.items()}
+        return _counted_once(*score_loss(scores_at_row_ends(values, batch["lengths"], local["position_ids"][0]), batch))
 
     return reduce
 
 
-def collect(keep: Callable[[torch.Tensor, dict, dict], torch.Tensor]) -> Reduction:
-    """A forward-only pass that keeps `keep(values, local, batch)` per micro-batch as `report["out"]`."""
+def collect(output: Callable[[torch.Tensor, dict, dict], torch.Tensor]) -> Reduction:
+    """A forward-only pass that keeps `output(values, local, batch)` per micro-batch as `report["out"]`."""
 
     def reduce(values, local, batch):
         zero = values.new_zeros(())
-        return zero, zero, {"out": keep(values, local, batch)}
+        return zero, zero, {"out": output(values, local, batch)}
 
     return reduce
 
@@ -227,8 +222,10 @@ def _run_on_sequences(batch: dict, model) -> tuple[torch.Tensor, dict]:
             return model(local["tokens"], position_ids, batch.get("attention_mask")), local
 
 
-def _on_context_parallel_rank0() -> float:
-    return 1.0 if ps.get_context_parallel_rank() == 0 else 0.0
+def _counted_once(loss, count, report) -> tuple:
+    """A loss every CP rank computes alike: its count and reports come from CP rank 0 only."""
+    keep = 1.0 if ps.get_context_parallel_rank() == 0 else 0.0
+    return loss, count * keep, {k: v * keep for k, v in report.items()}
 
 
 def _device():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -24,22 +23,6 @@ class ProcessInfo:
     local_rank: int
     master_addr: str
     master_port: int
-
-
-def free_port(low: int = 20000, high: int = 32000) -> int:
-    """A free TCP port below Linux's ephemeral range (32768+), so that no other process's
-    `bind(0)` or outgoing connection can take it between now and our rank 0 binding it."""
-    import random
-
-    for _ in range(200):
-        port = random.randrange(low, high)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free TCP port in [{low}, {high})")
 
 
 def process_info_from_env(env=os.environ) -> ProcessInfo:
