@@ -1,7 +1,7 @@
 """`aligner <command> ...`: the single entry point.
 
     aligner train sft [hydra overrides]           train (config: conf/sft.yaml; also rm, dpo, orpo, simpo,
-                                                  kto, steerlm)
+                                                  kto, steerlm, spin, grpo, reinforce)
     aligner serve reward|critic|verifier [overrides]  PyTriton server (conf/serve_<kind>.yaml)
     aligner convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N]
     aligner convert mcore-to-hf --ckpt DIR --out DIR [--dtype bfloat16]
@@ -21,7 +21,8 @@ from pathlib import Path
 TRAINERS = {"sft": "aligner.algorithms.sft", "rm": "aligner.algorithms.reward_model",
             "dpo": "aligner.algorithms.dpo", "orpo": "aligner.algorithms.orpo", "simpo": "aligner.algorithms.simpo",
             "kto": "aligner.algorithms.kto", "steerlm": "aligner.algorithms.steerlm",
-            "spin": "aligner.algorithms.spin"}
+            "spin": "aligner.algorithms.spin", "grpo": "aligner.algorithms.grpo",
+            "reinforce": "aligner.algorithms.grpo"}
 
 
 def _under_external_launcher() -> bool:

@@ -228,7 +228,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
 
 @torch.no_grad()
 def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, mask: torch.Tensor | None = None,
-                     eps: float = 1e-6) -> torch.Tensor:
+                     eps: float = 1e-6, baseline_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Sequence-level advantages, [N], for N samples laid out group after group (group_size answers
     per prompt). `mask` ([N]) marks the valid samples: an invalid one (unscored, filtered) gets 0 and
     enters no statistic.
@@ -242,32 +242,52 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, mas
     A group with one valid sample, or whose valid rewards are all equal, gives 0 under the four
     group-baselined estimators (exactly, not a rounding residue over eps); its valid samples still
     count in reinforce_pp_baseline's batch std. The batch statistics are over the tensor passed in:
-    hand the whole global batch for them to be global."""
+    hand the whole global batch for them to be global.
+    `baseline_mask` ([N], grpo / dr_grpo / rloo): only these valid samples enter the group statistics
+    (NeMo-Aligner's REINFORCE: samples that stopped on their own); the group's other valid samples
+    get r - the mean of those (scaled by their std for grpo), or 0 when the group has none."""
     _check_choice("estimator", estimator, ADVANTAGE_ESTIMATORS)
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} samples do not split into groups of {group_size}")
     valid = torch.ones(rewards.numel(), dtype=torch.bool, device=rewards.device) if mask is None else mask.bool()
     valid = valid.reshape(-1, group_size)
+    stats = valid
+    if baseline_mask is not None:
+        if estimator not in ("grpo", "dr_grpo", "rloo"):
+            raise ValueError(f"baseline_mask applies to grpo, dr_grpo and rloo, not {estimator!r}")
+        stats = valid & baseline_mask.bool().reshape(-1, group_size)
     r = torch.where(valid, rewards.float().reshape(-1, group_size), 0.0)
-    count = valid.sum(-1, keepdim=True)
+    count = stats.sum(-1, keepdim=True)
     n_valid = valid.sum().clamp(min=1)
     if estimator == "reinforce_pp":
         centred = torch.where(valid, r - r.sum() / n_valid, 0.0)
     else:
-        centred = torch.where(valid, r - r.sum(-1, keepdim=True) / count.clamp(min=1), 0.0)
-        high = torch.where(valid, r, -torch.inf).amax(-1, keepdim=True)
-        low = torch.where(valid, r, torch.inf).amin(-1, keepdim=True)
-        centred = torch.where((count > 1) & (high > low), centred, 0.0)
+        in_stats = torch.where(stats, r, 0.0)
+        centred = torch.where(valid & (count > 0), r - in_stats.sum(-1, keepdim=True) / count.clamp(min=1), 0.0)
+        high = torch.where(stats, r, -torch.inf).amax(-1, keepdim=True)
+        low = torch.where(stats, r, torch.inf).amin(-1, keepdim=True)
+        degenerate = stats & ~((count > 1) & (high > low))
+        centred = torch.where(degenerate, 0.0, centred)
     if estimator == "dr_grpo":
         advantages = centred
     elif estimator == "grpo":
-        advantages = centred / ((centred.pow(2).sum(-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt() + eps)
-    elif estimator == "rloo":  # r - (S - r) / (k - 1) = k / (k - 1) * (r - S / k)
-        advantages = centred * count / (count - 1).clamp(min=1)
+        spread = torch.where(stats, centred, 0.0).pow(2).sum(-1, keepdim=True)
+        advantages = centred / ((spread / (count - 1).clamp(min=1)).sqrt() + eps)
+    elif estimator == "rloo":  # r - (S - r) / (k - 1) = k / (k - 1) * (r - S / k) for a sample in the baseline
+        advantages = torch.where(stats, centred * count / (count - 1).clamp(min=1), centred)
     else:
         spread = torch.where(valid, centred - centred.sum() / n_valid, 0.0)
         advantages = centred / ((spread.pow(2).sum() / n_valid).sqrt() + eps)
     return advantages.reshape(-1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft over-long punishment (Yu et al. 2025, eq. 13), added to the reward: 0 up to
+    max_new_tokens - buffer tokens, then falling linearly to -factor at max_new_tokens. buffer 0: off."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    over = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0)
+    return -factor * (over / buffer).clamp(max=1.0)
 
 
 def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None,

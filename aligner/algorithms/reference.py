@@ -74,10 +74,14 @@ class Reference:
         finally:
             self.backup.load_into(params)
 
-    def logprob_sums(self, micro_batches: list[dict], length: int) -> list[torch.Tensor]:
+    def run(self, forward):
+        """`forward(model)` with the reference weights (its own model, or swapped into the policy)."""
         context = self._swapped_in() if self.mode == "cpu_swap" else contextlib.nullcontext(self.model)
         with context as model:
-            return logprob_sums(model, micro_batches, length, self.vocab_size)
+            return forward(model)
+
+    def logprob_sums(self, micro_batches: list[dict], length: int) -> list[torch.Tensor]:
+        return self.run(lambda model: logprob_sums(model, micro_batches, length, self.vocab_size))
 
 
 # ---- precomputed reference log-probs -------------------------------------------------------------------

@@ -51,12 +51,27 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.step = 0
         t = cfg.trainer
-        self.sampler = GlobalBatchSampler(len(train_data), t.global_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
+        self.sampler = GlobalBatchSampler(len(train_data), self.samples_per_step(), seed=t.seed,
+                                          shuffle=cfg.data.shuffle)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         m = cfg.model
         # Sequence lengths must split into 2*CP chunks, and each chunk over TP under sequence parallel.
         self.length_multiple = 2 * m.context_parallel_size * (m.tensor_model_parallel_size if m.sequence_parallel else 1)
         self.is_logger = dist.get_rank() == 0
+
+    # ---- what a subclass may change ---------------------------------------------------------------
+    validate_at_start = False  # also validate once before the first step (logged as step 0)
+
+    def samples_per_step(self) -> int:
+        """Dataset samples a step draws from the sampler."""
+        return self.cfg.trainer.global_batch_size
+
+    def loop_state(self) -> dict:
+        """What a subclass keeps in each checkpoint beyond the step, sampler and schedule."""
+        return {}
+
+    def load_loop_state(self, state: dict) -> None:
+        """Restore `loop_state`'s dict at resume."""
 
     # ---- one optimizer step -------------------------------------------------------------------------
     def step_micro_batches(self, samples: list) -> tuple[list[dict], int]:
@@ -98,7 +113,8 @@ class Trainer:
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self) -> None:
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "loop": self.loop_state()}
         path = checkpoint.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}", self.model,
                                           self.cfg.model, self.vocab_size, optimizer=self.optimizer,
                                           trainer_state=state, rank_state=rng_state(), tokenizer=self.tokenizer,
@@ -116,6 +132,7 @@ class Trainer:
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.load_loop_state(state.get("loop", {}))
         if ranks is not None:
             set_rng_state(ranks)
         else:
@@ -130,6 +147,10 @@ class Trainer:
         metrics_log = MetricsLog(self.run_dir, self.cfg.logging.tensorboard, self.step) if self.is_logger else None
         progress = Progress(t.max_steps, self.step, self.is_logger and self.cfg.logging.progress)
         saved_at = self.step
+        if self.validate_at_start and self.step == 0 and self.val_data is not None:
+            start = self.validate()
+            if metrics_log is not None:
+                metrics_log.log(0, start)
         while self.step < t.max_steps:
             metrics = self.before_train_step()
             metrics.update(self.train_step())

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from aligner import CONF_DIR
-from aligner.config.schema import COMMANDS
+from aligner.config.commands import COMMANDS
 from aligner.config.validate import ConfigError, validate
 
 

@@ -367,11 +367,3 @@ class KTORunConfig(TrainRunConfig):
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
 
-
-# command name -> (yaml under conf/, schema)
-COMMANDS = {"sft": ("sft", SFTRunConfig), "rm": ("rm", RMRunConfig),
-            "serve_reward": ("serve_reward", RewardServeConfig), "serve_critic": ("serve_critic", CriticServeConfig),
-            "serve_verifier": ("serve_verifier", VerifierServeConfig),
-            "dpo": ("dpo", DPORunConfig), "orpo": ("orpo", ORPORunConfig), "simpo": ("simpo", SimPORunConfig),
-            "kto": ("kto", KTORunConfig), "steerlm": ("steerlm", SteerLMRunConfig),
-            "spin": ("spin", SPINRunConfig)}

@@ -92,6 +92,59 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"dpo.label_smoothing applies to dpo.loss_type=sigmoid or robust, not {loss}")
         if not 0 <= smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing is a label-flip probability in [0, 0.5), got {smoothing}")
+    if "algorithm" in cfg:
+        validate_rl(cfg, dp)
     if cfg.data.get("packing") and cfg.model.transformer_impl == "transformer_engine":
         raise ConfigError("data.packing=true needs the local layer spec (model.transformer_impl=local or auto on a "
                           "host without Transformer Engine)")
+
+
+def validate_rl(cfg, dp: int) -> None:
+    """The online-RL commands (grpo, reinforce)."""
+    a, t, s = cfg.algorithm, cfg.trainer, cfg.sampling
+    if a.num_generations < 1 or a.prompts_per_step < 1 or a.ppo_epochs < 1:
+        raise ConfigError("algorithm.num_generations, algorithm.prompts_per_step and algorithm.ppo_epochs must be >= 1")
+    if a.num_generations < 2 and a.advantage not in ("reinforce_pp",):
+        raise ConfigError(f"algorithm.advantage={a.advantage} compares the samples of a prompt's group: set "
+                          f"algorithm.num_generations >= 2 (or use algorithm.advantage=reinforce_pp)")
+    samples = a.prompts_per_step * a.num_generations
+    if samples % t.global_batch_size:
+        raise ConfigError(f"a step generates algorithm.prompts_per_step x num_generations = {samples} samples, which "
+                          f"does not split into optimizer steps of trainer.global_batch_size={t.global_batch_size}; "
+                          f"use a divisor of {samples}")
+    if cfg.data.max_length + s.max_new_tokens > cfg.model.seq_length:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} (prompt) + sampling.max_new_tokens="
+                          f"{s.max_new_tokens} exceed model.seq_length={cfg.model.seq_length}")
+    if s.max_new_tokens < 1 or s.temperature <= 0:
+        raise ConfigError("sampling.max_new_tokens must be >= 1 and sampling.temperature > 0 (RL samples)")
+    if cfg.model.context_parallel_size > 1:
+        raise ConfigError("online RL generates with the training model, and generation does not run under context "
+                          "parallelism: set model.context_parallel_size=1")
+    if cfg.reference.mode == "precompute":
+        raise ConfigError("reference.mode=precompute does not apply to online RL (new samples every step); use "
+                          "reference.mode=model or cpu_swap")
+    if a.kl.coef < 0:
+        raise ConfigError(f"algorithm.kl.coef must be >= 0, got {a.kl.coef}")
+    if a.clip_low <= 0 or (a.clip_high is not None and a.clip_high <= 0):
+        raise ConfigError("algorithm.clip_low and algorithm.clip_high must be > 0")
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algorithm.dual_clip must be > 1 (it caps the loss of negative advantages at "
+                          f"dual_clip x |A|), got {a.dual_clip}")
+    if a.importance_sampling.cap <= 0:
+        raise ConfigError("algorithm.importance_sampling.cap must be > 0")
+    if a.dynamic_sampling.max_refills < 0:
+        raise ConfigError("algorithm.dynamic_sampling.max_refills must be >= 0")
+    if not 0 <= a.overlong.buffer < s.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong.buffer must be in [0, sampling.max_new_tokens={s.max_new_tokens})")
+    if a.baseline_ended_only and a.advantage not in ("grpo", "dr_grpo", "rloo"):
+        raise ConfigError("algorithm.baseline_ended_only applies to the group baselines grpo, dr_grpo and rloo")
+    r = cfg.reward
+    if not r.functions and not r.url:
+        raise ConfigError("no reward: set reward.functions=[name or package.module:function, ...] and/or "
+                          "reward.url=host:port of a reward or verifier server")
+    if r.weights is not None and len(r.weights) != len(r.functions):
+        raise ConfigError(f"reward.weights has {len(r.weights)} entries for {len(r.functions)} reward.functions")
+    if r.workers < 1:
+        raise ConfigError("reward.workers must be >= 1")
+    if cfg.generation.batch_size < 1:
+        raise ConfigError("generation.batch_size must be >= 1")

@@ -47,7 +47,7 @@ def unsupported_reason(model) -> str | None:
 
     checks = {
         "normalization is not RMSNorm": c.normalization != "RMSNorm",
-        "position embedding is not RoPE": getattr(model, "position_embedding_type", None) != "rope",
+        "position embedding is not RoPE": not _plain_rope(model),
         "interleaved RoPE": flag("rotary_interleaved"),
         "partial RoPE": flag("rotary_percent", 1.0) != 1.0,
         "multi-latent attention": flag("multi_latent_attention"),
@@ -70,6 +70,21 @@ def unsupported_reason(model) -> str | None:
     }
     reasons = [name for name, bad in checks.items() if bad]
     return ", ".join(reasons) if reasons else None
+
+
+def _plain_rope(model) -> bool:
+    """RoPE by row position, or at explicit positions with every frequency in the first section (the
+    policy models of `aligner.models.policy.with_token_positions`: plain RoPE)."""
+    kind = getattr(model, "position_embedding_type", None)
+    return kind == "rope" or (kind == "mrope" and not any(getattr(model, "mrope_section", [0, 1])[1:]))
+
+
+def rotary_table(model, max_seq: int) -> torch.Tensor:
+    """[max_seq, rot_dim] rotary angles of slots 0..max_seq-1, as megatron's forward computes them."""
+    if model.position_embedding_type == "mrope":
+        slots = torch.arange(max_seq, device=model.rotary_pos_emb.inv_freq.device).expand(3, 1, -1)
+        return model.rotary_pos_emb(slots, model.mrope_section)[:, 0, 0, :]
+    return model.rotary_pos_emb(max_seq)[:, 0, 0, :]
 
 
 def _present(module) -> bool:
@@ -209,7 +224,7 @@ class LeanDecoder:
         self.dtype, self.device = weight.dtype, weight.device
         self.compiled_layers = compiled_run_layers(self.device) if compiled else None
         self.project = _addmm_projection if layout.tp == 1 else self._tp_projection
-        emb = model.rotary_pos_emb(max_seq)[:, 0, 0, :]  # [S, rot_dim], as megatron's forward uses
+        emb = rotary_table(model, max_seq)  # [S, rot_dim]
         cos, sin = cos_and_signed_sin(emb)
         # per slot, for a group's R query heads (softmax scale folded in) and its key head: [S, 1, R + 1, rot_dim]
         row_scale = torch.tensor([scale] * R + [1.0], device=emb.device)[None, :, None]

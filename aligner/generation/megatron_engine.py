@@ -40,6 +40,7 @@ from aligner.generation.stopping import StopStrings, extract_responses, stop_rea
 from aligner.generation.types import DECODE_MODES, STOP_LENGTH, Rollout, SamplingParams, WeightStream
 from aligner.generation.weights import compare_weights, load_weight_stream
 from aligner.models.checkpoint import unwrap
+from aligner.models.sdpa_attention import all_fused
 
 _SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
 
@@ -71,6 +72,9 @@ class MegatronEngine:
         if decode == "compiled" and model_cfg.tensor_model_parallel_size > 1:
             raise ValueError("decode='compiled' needs tensor_model_parallel_size=1 (TP's all-reduces sit inside "
                              "the layers); use decode='lean' under TP")
+        if decode == "megatron" and all_fused(self.gpt):
+            raise ValueError("decode='megatron' does not run on a model with torch's fused attention (the policy "
+                             "models of aligner.models.policy); use decode='lean'")
         self.decode = decode
         # Steps between checks that every sample has stopped (each check waits for the device). A few
         # wasted steps at the end are cheaper on a GPU than a sync per step; a CPU has nothing to wait for.
@@ -172,6 +176,8 @@ class MegatronEngine:
         if not layout.first:
             gpt.set_input_tensor(layout.recv_prev((width, batch, gpt.config.hidden_size), self._dtype, tokens.device))
         positions = torch.arange(slot, slot + width, device=tokens.device).expand(batch, width)
+        if gpt.position_embedding_type == "mrope":  # a policy model reading explicit positions (models/policy.py)
+            positions = positions.expand(3, batch, width)
         out = gpt(tokens, positions, None, inference_context=context, runtime_gather_output=True)
         context.sequence_len_offset += width
         if not layout.last:

@@ -1,0 +1,161 @@
+"""Schemas of the online-RL commands (`aligner train grpo`, `aligner train reinforce`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Optional
+
+from omegaconf import MISSING
+
+from aligner.config.schema import ReferenceConfig, TrainRunConfig
+
+
+class PromptOverlong(StrEnum):
+    drop = "drop"  # prompts longer than data.max_length are left out (their count is logged)
+    error = "error"  # ... fail the run, naming file:line
+
+
+@dataclass
+class PromptDataConfig:
+    """JSONL prompts: {"prompt": text or chat messages, ...}; every other field goes to the reward functions."""
+
+    train_path: str = MISSING
+    val_path: Optional[str] = None  # greedy val/reward/mean on these prompts (all of them)
+    max_length: int = 128  # longest prompt (tokens); prompt + sampling.max_new_tokens must fit model.seq_length
+    overlong: PromptOverlong = PromptOverlong.drop
+    shuffle: bool = True
+    packing: Optional[bool] = None  # as in preference training; null = packed on the local layer spec
+
+
+class AdvantageEstimator(StrEnum):
+    grpo = "grpo"
+    dr_grpo = "dr_grpo"
+    rloo = "rloo"
+    reinforce_pp = "reinforce_pp"
+    reinforce_pp_baseline = "reinforce_pp_baseline"
+
+
+class KLEstimator(StrEnum):
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+    abs = "abs"
+
+
+class KLMode(StrEnum):
+    loss = "loss"  # coef x KL(policy || reference) per token, added to the loss (GRPO)
+    reward = "reward"  # coef x each sample's masked-mean KL subtracted from its reward (NeMo-Aligner REINFORCE)
+    none = "none"  # no reference model at all (DAPO)
+
+
+class LossAggregation(StrEnum):
+    token_mean = "token_mean"
+    seq_mean_token_mean = "seq_mean_token_mean"
+    seq_mean_token_sum = "seq_mean_token_sum"
+    seq_mean_token_sum_norm = "seq_mean_token_sum_norm"  # Dr. GRPO: / (sequences x sampling.max_new_tokens)
+
+
+class RatioLevel(StrEnum):
+    token = "token"
+    sequence = "sequence"  # GSPO
+
+
+class ImportanceLevel(StrEnum):
+    none = "none"
+    token = "token"
+    sequence = "sequence"
+
+
+class DecodeMode(StrEnum):
+    auto = "auto"
+    lean = "lean"
+    compiled = "compiled"
+    megatron = "megatron"
+
+
+@dataclass
+class KLConfig:
+    estimator: KLEstimator = KLEstimator.k3
+    coef: float = 0.01
+    mode: KLMode = KLMode.loss
+
+
+@dataclass
+class ImportanceSamplingConfig:
+    """Truncated importance sampling: weights min(p_trainer / q_engine, cap) on the policy loss."""
+
+    level: ImportanceLevel = ImportanceLevel.none
+    cap: float = 2.0
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: groups whose rewards are all equal teach nothing; drop them and
+    generate for more prompts, at most `max_refills` times per step."""
+
+    enabled: bool = False
+    max_refills: int = 3
+
+
+@dataclass
+class OverlongConfig:
+    mask: bool = False  # samples cut at max_new_tokens are left out of learning
+    buffer: int = 0  # DAPO's soft over-long penalty over the last `buffer` tokens before max_new_tokens (0 = off)
+    factor: float = 1.0  # the penalty reaches -factor at max_new_tokens
+
+
+@dataclass
+class RLAlgorithmConfig:
+    advantage: AdvantageEstimator = AdvantageEstimator.grpo
+    num_generations: int = 4  # samples per prompt (a group)
+    prompts_per_step: int = 8  # prompts per step; a step trains on prompts_per_step x num_generations samples
+    baseline_ended_only: bool = False  # only samples that stopped on their own enter a group's baseline
+    kl: KLConfig = field(default_factory=KLConfig)
+    clip_low: float = 0.2
+    clip_high: Optional[float] = None  # None = clip_low; larger = DAPO's clip-higher
+    dual_clip: Optional[float] = None
+    ratio_level: RatioLevel = RatioLevel.token
+    aggregation: LossAggregation = LossAggregation.token_mean
+    entropy_coef: float = 0.0  # entropy bonus
+    importance_sampling: ImportanceSamplingConfig = field(default_factory=ImportanceSamplingConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    ppo_epochs: int = 1  # passes over a step's samples; each pass has one optimizer step per trainer.global_batch_size
+    log_rollouts: int = 4  # (prompt, response, reward) rows per step in <run_dir>/rollouts/step_<N>.jsonl
+
+
+@dataclass
+class RLSamplingConfig:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_strings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RLGenerationConfig:
+    decode: DecodeMode = DecodeMode.auto
+    batch_size: int = 64  # prompts per generate call on each data-parallel replica
+    check_refit: bool = False  # after each refit compare the engine's weights with the trainer's (refit/* metrics)
+
+
+@dataclass
+class RewardConfig:
+    functions: list[str] = field(default_factory=list)  # builtin names or package.module:function
+    weights: Optional[list[float]] = None  # one per function; None = 1.0 each
+    url: Optional[str] = None  # host:port of an aligner reward-model or verifier server (added with weight 1)
+    workers: int = 4  # threads calling the reward functions
+    timeout_s: float = 60.0  # remote scoring
+
+
+@dataclass
+class RLRunConfig(TrainRunConfig):
+    run_dir: str = "runs/grpo"
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)  # type: ignore[assignment]
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    algorithm: RLAlgorithmConfig = field(default_factory=RLAlgorithmConfig)
+    sampling: RLSamplingConfig = field(default_factory=RLSamplingConfig)
+    generation: RLGenerationConfig = field(default_factory=RLGenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
