@@ -261,3 +261,30 @@ def test_masked_global_mean_var_single_process_gloo():
     assert (mean.item(), var.item()) == (3.0, 3.5)
     assert not mean.requires_grad and not var.requires_grad
     assert [t.item() for t in distributed.masked_global_mean_var(values, torch.zeros(2, 3))] == [0.0, 0.0]
+
+
+def test_group_advantages_baseline_from_ended_samples_only():
+    # one group of 4: rewards 1, 0, 1, 0.5; sample 3 was cut at max_new_tokens (not in the baseline)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    ended = torch.tensor([True, True, True, False])
+    rloo = F.group_advantages(rewards, 4, "rloo", baseline_mask=ended)
+    # in the baseline: r - mean of the other ended ones; outside: r - mean of the ended ones (2/3)
+    assert torch.allclose(rloo, torch.tensor([1 - 0.5, 0 - 1.0, 1 - 0.5, 0.5 - 2 / 3]))
+    dr = F.group_advantages(rewards, 4, "dr_grpo", baseline_mask=ended)
+    assert torch.allclose(dr, torch.tensor([1 / 3, -2 / 3, 1 / 3, 0.5 - 2 / 3]))
+    std = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)  # unbiased, over the ended samples
+    grpo = F.group_advantages(rewards, 4, "grpo", baseline_mask=ended, eps=0.0)
+    assert torch.allclose(grpo, dr / std)
+    # all ended rewards equal: those get 0, the cut one still gets r - their mean
+    same = F.group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0]), 4, "rloo", baseline_mask=ended)
+    assert same.tolist() == [0.0, 0.0, 0.0, -1.0]
+    with pytest.raises(ValueError, match="baseline_mask"):
+        F.group_advantages(rewards, 4, "reinforce_pp", baseline_mask=ended)
+
+
+def test_overlong_penalty_dapo():
+    lengths = torch.tensor([4, 12, 13, 14, 16])
+    penalty = F.overlong_penalty(lengths, max_new_tokens=16, buffer=4, factor=0.5)
+    # free up to 16 - 4 = 12 tokens, then linear to -0.5 at 16
+    assert torch.allclose(penalty, torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5]))
+    assert F.overlong_penalty(lengths, 16, 0).abs().sum() == 0

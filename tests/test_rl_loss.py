@@ -1,0 +1,59 @@
+"""The RL loss's layout and terms against direct per-sample computations (no model)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from aligner.algorithms import functional as F
+from aligner.algorithms.rl_loss import PolicyLoss, response_values, rl_micro_batches
+from aligner.algorithms.rl_samples import Sample
+from aligner.config.rl_schema import RLAlgorithmConfig
+
+
+def samples():
+    prompts = [SimpleNamespace(ids=[5, 6, 7]), SimpleNamespace(ids=[8, 9]), SimpleNamespace(ids=[1, 2, 3, 4])]
+    responses = [[10, 11], [12, 13, 14, 15], [16]]
+    return [Sample(p, r, [-0.1 * (j + 1) for j in range(len(r))], True, advantage=a)
+            for p, r, a in zip(prompts, responses, [1.0, -0.5, 2.0])]
+
+
+@pytest.mark.parametrize("packing", [{"packed": False, "capacity": None, "flat": False},
+                                     {"packed": True, "capacity": None, "flat": True},
+                                     {"packed": True, "capacity": 8, "flat": False}])
+def test_response_values_put_each_token_in_its_sample_row(packing):
+    group = samples()
+    (batch,), _ = rl_micro_batches([group], pad_id=0, packing=packing, multiple=1)
+    # a model output whose value at a position is the label it predicts
+    values = batch["labels"].float()
+    got = response_values(values, batch)
+    expected = torch.tensor([[10, 11, 0, 0], [12, 13, 14, 15], [16, 0, 0, 0]], dtype=torch.float32)
+    assert torch.equal(got, expected)
+    assert torch.equal(batch["response_mask"], (expected > 0).float())
+    assert torch.allclose(batch["engine_logprobs"][1], torch.tensor([-0.1, -0.2, -0.3, -0.4]))
+
+
+def test_policy_loss_term_sums_match_direct_maths():
+    group = samples()
+    (batch,), _ = rl_micro_batches([group], pad_id=0, packing={"packed": False, "capacity": None, "flat": False},
+                                   multiple=1)
+    torch.manual_seed(0)
+    logprobs = -torch.rand(3, 4)
+    batch["old_logprobs"] = logprobs - 0.05 * torch.randn(3, 4)
+    batch["ref_logprobs"] = logprobs + 0.1 * torch.randn(3, 4)
+    a = OmegaConf.structured(RLAlgorithmConfig)
+    a.kl.coef, a.entropy_coef, a.aggregation = 0.1, 0.01, "seq_mean_token_mean"
+    # per-position values: (log-prob, entropy) placed where each response token is predicted
+    mask = batch["loss_mask"] > 0
+    per_position = torch.zeros(*batch["tokens"].shape, 2)
+    per_position[mask] = torch.stack([logprobs[batch["response_mask"] > 0], torch.full((7,), 2.0)], -1)
+    loss, count, report = PolicyLoss(a, max_new_tokens=4)(per_position, batch, batch)
+    m = batch["response_mask"]
+    surrogate, _ = F.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], m,
+                                 aggregation="seq_mean_token_mean")
+    kl = F.aggregate_loss(F.kl_penalty(logprobs, batch["ref_logprobs"], "k3"), m, "seq_mean_token_mean")
+    expected = surrogate + 0.1 * kl - 0.01 * 2.0  # the entropy's sequence means are all 2
+    assert count == 3  # sequences: the loss is a sum over them, megatron divides by the global count
+    assert torch.allclose(loss / count, expected)
+    assert torch.isclose(report["tokens"], torch.tensor(7.0))
+    assert torch.isclose(report["entropy"], torch.tensor(14.0))
