@@ -1,0 +1,221 @@
+"""aligner's online RL (`aligner train grpo`, advantage grpo and rloo) against TRL's GRPOTrainer and
+RLOOTrainer, on the identical tiny configuration, in one run: the TRL peer baseline's artifacts
+(tokenizer, Llama 4L/128h/4 heads/ffn 512/vocab 512 policy, arith.jsonl: prompts "12+7=" with their
+answer), 8 prompts x 4 samples = 32 per step, 16 new tokens, temperature 1.0, top_p 1.0, top_k 0, KL
+to a reference model with beta 0.04, clip epsilon 0.2, one optimizer step per batch, AdamW lr 1e-5
+constant, no weight decay, grad-clip 1.0, seed 1234, fp32, the baseline's reward (exact integer match
+against the answer: bench/rl_reward.py), 30 steps of which the first 5 are not timed. Prints median
+seconds per step and TRL's s/step over ours, against the issue's target of 3x.
+
+    python bench/rl_vs_trl.py [--steps 30] [--threads 1] [--repeats 1] [--out runs/bench-rl]
+
+Method, environment and measurements as in bench/preference_vs_trl.py (whose helpers this uses): TRL
+runs in its own virtual environment (ALIGNER_TRL_PYTHON, default /tmp/trl-venv/bin/python) driving the
+peer baseline's own script (bench_grpo.py, with --rloo for RLOOTrainer; ALIGNER_TRL_BENCH_DIR) with its
+exact configuration; aligner loads the same HF weights through `aligner convert hf-to-mcore` and
+reads the baseline's arith.jsonl as it is ({"prompt": "12+7=", "answer": "19"}: the same plain-text
+prompts TRL's GRPOTrainer gets, no chat template on either side; "answer" reaches the reward function
+as a field). Step time is wall time per step (median over the timed steps); CPU s/step is the process's
+CPU time per step (mean over the timed steps), the ratio's basis with 1 thread (the default); "other
+cores" is other processes' average core use during a run (over ~0.3 the wall times are contaminated).
+`--repeats N` runs every case N times in interleaved rounds; a ratio pairs each attempt with TRL's
+attempt of the same round, and the table gives the median of those paired ratios and each of them.
+Generated tokens count each response up to and including its eos, on both sides.
+
+Where the two sides still differ (neither changes the work a step does, except where said):
+  * GRPO: none in the algorithm (TRL 1.16: loss_type="dapo" = token_mean over the step's tokens,
+    scale_rewards="group" = grpo advantages, k3 KL in the loss). Both skip the old-log-prob forward
+    (one update per rollout: the update's own forward gives them).
+  * RLOO: TRL's RLOOTrainer puts the KL into the reward (k1, summed over a sample's tokens), takes a
+    sequence-level ratio exp(sum of token log-ratios), averages the loss over samples, and so runs an
+    old-log-prob forward every step. `aligner_rloo` is the issue's configuration (GRPO's k3 KL in the
+    loss, token ratio, token_mean: no old-log-prob forward, one policy forward less than TRL);
+    `aligner_rloo_kl_reward` puts k1 KL into the reward as TRL does (aligner subtracts the masked-mean
+    KL, TRL the sum: same work), which brings the old-log-prob forward back: the like-for-like work.
+  * Sampling order of prompts: each side shuffles arith.jsonl with seed 1234 in its own way; every
+    prompt is 4 tokens, and the random-init policy almost never samples eos (responses ~16 tokens),
+    so the shapes match step for step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.preference_vs_trl import OFFLINE, TRL_BENCH_DIR, TRL_PYTHON, prepare, timed  # noqa: E402
+
+TARGET = 3.0  # the issue's target: TRL's time per step over aligner's
+RUN = {"prompts_per_step": 8, "num_generations": 4, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0,
+       "top_k": 0, "kl_beta": 0.04, "clip_eps": 0.2, "lr": 1e-5, "seed": 1234}  # the baseline's common.RUN
+PHASES = ("generate", "score", "score_wait", "logprobs", "reference", "train", "refit")  # aligner's timing/<phase>_s
+
+
+def run_trl(name: str, paths: dict, out: Path, steps: int, warmup: int, threads: int, attempt: int) -> dict:
+    algorithm = name.removeprefix("trl_")
+    results = out / "trl_results" / str(attempt)
+    env = {**os.environ, **OFFLINE, "TRL_BENCH_HOME": str(paths["trl_home"]), "TRL_BENCH_RESULTS": str(results),
+           "BENCH_STEPS": str(steps), "BENCH_WARMUP": str(warmup), "BENCH_THREADS": str(threads),
+           "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    cmd = [TRL_PYTHON, "bench_grpo.py", *(["--rloo"] if algorithm == "rloo" else [])]
+    load = timed(cmd, env, TRL_BENCH_DIR, out / f"{name}.{attempt}.log")
+    del load["step_cpu"]
+    r = json.loads((results / f"{algorithm}.json").read_text())
+    timed_steps = r["per_step"][warmup:]
+    rewards = [log["reward"] for log in r["logs"] if "reward" in log]
+    return {"step_s": r["median_step_s"], "min_step_s": r["min_step_s"],
+            "cpu_step_s": statistics.fmean(s["cpu_s"] for s in timed_steps),
+            "generated_tokens_per_step": r["gen_tokens_per_step"],
+            "phases": {"generate": r["median_gen_s_per_step"]},
+            "reward_mean": statistics.fmean(rewards) if rewards else None,
+            "trl_config": r.get("config"), **load}
+
+
+def run_aligner(name: str, extra: list[str], paths: dict, out: Path, steps: int, warmup: int, threads: int,
+                attempt: int) -> dict:
+    run_dir = out / f"{name}.{attempt}"
+    n = RUN["prompts_per_step"] * RUN["num_generations"]
+    overrides = [f"run_dir={run_dir}", f"tokenizer.path={paths['art'] / 'tokenizer'}",
+                 f"model.pretrained={out / 'policy_mcore'}", f"data.train_path={paths['art'] / 'data' / 'arith.jsonl'}",
+                 f"trainer.max_steps={steps}", f"trainer.global_batch_size={n}", f"trainer.micro_batch_size={n}",
+                 f"trainer.seed={RUN['seed']}", "trainer.save_last=false", "trainer.val_interval=0",
+                 f"algorithm.prompts_per_step={RUN['prompts_per_step']}",
+                 f"algorithm.num_generations={RUN['num_generations']}", f"algorithm.kl.coef={RUN['kl_beta']}",
+                 f"algorithm.clip_low={RUN['clip_eps']}", "algorithm.ppo_epochs=1",
+                 f"sampling.max_new_tokens={RUN['max_new_tokens']}", f"sampling.temperature={RUN['temperature']}",
+                 f"sampling.top_p={RUN['top_p']}", f"sampling.top_k={RUN['top_k']}",
+                 f"optim.lr={RUN['lr']}", "optim.min_lr=1e-6", "optim.scheduler=constant", "optim.warmup_steps=0",
+                 "optim.weight_decay=0.0", "optim.adam_beta1=0.9", "optim.adam_beta2=0.999", "optim.adam_eps=1e-8",
+                 "optim.clip_grad=1.0", "reward.functions=[bench.rl_reward:arith]", "logging.tensorboard=false",
+                 "logging.progress=false", f"launcher.threads_per_rank={threads}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    load = timed([sys.executable, "-m", "aligner.cli", "train", "grpo", *overrides], env, REPO,
+                 out / f"{name}.{attempt}.log", metrics=run_dir / "metrics.jsonl")
+    cpu = load.pop("step_cpu")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    at = [i for i, m in enumerate(lines) if "timing/step_s" in m]  # a step's line (not a validation's)
+    metrics = [lines[i] for i in at][warmup:]
+    step = [m["timing/step_s"] for m in metrics]
+    phases = {p: statistics.median(m[f"timing/{p}_s"] for m in metrics)
+              for p in PHASES if all(f"timing/{p}_s" in m for m in metrics)}
+    return {"step_s": statistics.median(step), "min_step_s": min(step),
+            "cpu_step_s": (cpu[at[steps - 1]] - cpu[at[warmup - 1]]) / (steps - warmup),
+            "generated_tokens_per_step": statistics.fmean(m["response_length/mean"] for m in metrics) * n,
+            "generated_tokens_per_s": statistics.median(m["throughput/generated_tokens_per_s"] for m in metrics),
+            "phases": phases, "reward_mean": statistics.fmean(m["reward/mean"] for m in metrics), **load}
+
+
+def cases() -> dict:
+    grpo = ["algorithm.kl.estimator=k3", "algorithm.kl.mode=loss", "algorithm.aggregation=token_mean"]
+    return {  # name -> (algorithm, what it is, aligner overrides or None for TRL)
+        "trl_grpo": ("grpo", "peer: GRPOTrainer", None),
+        "aligner_grpo": ("grpo", "like-for-like", ["algorithm.advantage=grpo", *grpo]),
+        "trl_rloo": ("rloo", "peer: RLOOTrainer", None),
+        "aligner_rloo": ("rloo", "issue config: k3 KL in the loss (TRL: in the reward, +1 forward)",
+                         ["algorithm.advantage=rloo", *grpo]),
+        "aligner_rloo_kl_reward": ("rloo", "like-for-like work: k1 KL in the reward, as TRL",
+                                   ["algorithm.advantage=rloo", "algorithm.kl.estimator=k1", "algorithm.kl.mode=reward",
+                                    "algorithm.aggregation=token_mean"]),
+    }
+
+
+def summarize(todo: dict, runs: dict) -> dict:
+    """Medians over attempts and the paired ratios TRL / aligner of each aligner case."""
+    out = {}
+    for name, (algorithm, what, _) in todo.items():
+        mine, peer = runs[name], runs.get(f"trl_{algorithm}", [])
+        s = {"algorithm": algorithm, "configuration": what,
+             **{k: statistics.median(r[k] for r in mine)
+                for k in ("step_s", "cpu_step_s", "generated_tokens_per_step")},
+             "phases": {p: statistics.median(r["phases"][p] for r in mine) for p in mine[0]["phases"]},
+             "other_cores_max": max(r["other_cores"] for r in mine)}
+        if not name.startswith("trl_") and peer:
+            s["ratio_cpu_per_round"] = [p["cpu_step_s"] / r["cpu_step_s"] for p, r in zip(peer, mine)]
+            s["ratio_wall_per_round"] = [p["step_s"] / r["step_s"] for p, r in zip(peer, mine)]
+            s["ratio_cpu"] = statistics.median(s["ratio_cpu_per_round"])
+            s["ratio_wall"] = statistics.median(s["ratio_wall_per_round"])
+            s["target_met"] = s["ratio_cpu"] >= TARGET
+            s["target_cpu_step_s"] = statistics.median(p["cpu_step_s"] for p in peer) / TARGET
+        out[name] = s
+    return out
+
+
+def report(summary: dict, args) -> None:
+    print(f"\nCPU, fp32, {args.threads} torch thread(s) per run, {RUN['prompts_per_step']} prompts x "
+          f"{RUN['num_generations']} samples, {RUN['max_new_tokens']} new tokens per step, steps "
+          f"{args.warmup + 1}..{args.steps}, {args.repeats} attempt(s) per run: medians over attempts; a ratio "
+          f"pairs each attempt with TRL's attempt of the same round; target: TRL / aligner >= {TARGET:g}x\n")
+    print("| algorithm | run | configuration | s/step | CPU s/step | gen tokens/step | TRL / this (CPU s/step) | "
+          f"per round | TRL / this (wall) | >= {TARGET:g}x? | other cores (max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, s in summary.items():
+        if "ratio_cpu" in s:
+            ratio, wall = f"{s['ratio_cpu']:.2f}x", f"{s['ratio_wall']:.2f}x"
+            rounds = " / ".join(f"{x:.2f}" for x in s["ratio_cpu_per_round"])
+            verdict = ("yes" if s["target_met"] else f"no: {TARGET / s['ratio_cpu']:.2f}x short "
+                       f"(needs <= {s['target_cpu_step_s']:.4f} CPU s/step)")
+        else:
+            ratio = rounds = wall = verdict = "n/a" if not name.startswith("trl_") else ""
+        print(f"| {s['algorithm']} | {name} | {s['configuration']} | {s['step_s']:.4f} | {s['cpu_step_s']:.4f} | "
+              f"{s['generated_tokens_per_step']:.0f} | {ratio} | {rounds} | {wall} | {verdict} | "
+              f"{s['other_cores_max']:.2f} |")
+    print("\nWhere a step's time goes (seconds, median over the timed steps, then over attempts; aligner's "
+          "`score` runs in a thread beside logprobs/reference, `score wait` is what the step waited for it; "
+          "other = step minus the phases it spends in sequence; TRL's harness times only generate)\n")
+    print("| algorithm | run | step | generate | score | score wait | logprobs | reference | train | refit | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, s in summary.items():
+        ph = s["phases"]
+        serial = sum(v for p, v in ph.items() if p != "score")
+        cells = [f"{ph[p]:.4f}" if p in ph else "" for p in PHASES]
+        print(f"| {s['algorithm']} | {name} | {s['step_s']:.4f} | {' | '.join(cells)} | {s['step_s'] - serial:.4f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out of the timing")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each (single-process) run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per case, interleaved in rounds")
+    parser.add_argument("--only", nargs="*", help="case names (default: all)")
+    parser.add_argument("--out", default="runs/bench-rl")
+    args = parser.parse_args()
+    if args.steps <= args.warmup:
+        sys.exit(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not Path(TRL_PYTHON).exists():
+        sys.exit(f"no TRL interpreter at {TRL_PYTHON}; create the venv (see bench/preference_vs_trl.py's doc) "
+                 "or set ALIGNER_TRL_PYTHON")
+    paths = prepare(out, args.threads)
+    todo = {k: v for k, v in cases().items() if not args.only or k in args.only}
+    runs: dict[str, list[dict]] = {name: [] for name in todo}
+    for attempt in range(args.repeats):
+        for name, (_, _, extra) in todo.items():
+            if extra is None:
+                r = run_trl(name, paths, out, args.steps, args.warmup, args.threads, attempt)
+            else:
+                r = run_aligner(name, extra, paths, out, args.steps, args.warmup, args.threads, attempt)
+            print(f"[bench] {name} attempt {attempt}: {r['step_s']:.4f} s/step, {r['cpu_step_s']:.4f} CPU s/step, "
+                  f"{r['generated_tokens_per_step']:.0f} generated tokens/step, other cores {r['other_cores']:.2f}",
+                  file=sys.stderr, flush=True)
+            runs[name].append(r)
+    summary = summarize(todo, runs)
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "run": RUN, "target": TARGET,
+                                                  "cases": {k: list(v[:2]) + [v[2]] for k, v in todo.items()},
+                                                  "summary": summary, "results": runs}, indent=1))
+    report(summary, args)
+    print(f"\nall numbers: {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
