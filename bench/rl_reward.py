@@ -8,7 +8,7 @@ the integer answer (its leading run of digits equals `answer`: "19<eos>" and " 1
 from __future__ import annotations
 
 
-def arith(prompt: str, response: str, answer: str | None = None, **fields) -> float | None:
+def arith(prompt: str, response: str, /, answer: str | None = None, **fields) -> float | None:
     if answer is None:
         return None
     digits = ""

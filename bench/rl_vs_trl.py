@@ -41,20 +41,67 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.preference_vs_trl import OFFLINE, TRL_BENCH_DIR, TRL_PYTHON, prepare, timed  # noqa: E402
+from bench.preference_vs_trl import (OFFLINE, TRL_BENCH_DIR, TRL_PYTHON, _busy_seconds, _cpu_seconds,  # noqa: E402
+                                     prepare, timed)
 
 TARGET = 3.0  # the issue's target: TRL's time per step over aligner's
 RUN = {"prompts_per_step": 8, "num_generations": 4, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0,
        "top_k": 0, "kl_beta": 0.04, "clip_eps": 0.2, "lr": 1e-5, "seed": 1234}  # the baseline's common.RUN
 PHASES = ("generate", "score", "score_wait", "logprobs", "reference", "train", "refit")  # aligner's timing/<phase>_s
+
+
+def _tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds of `pid` and its live descendants (aligner's reward workers are processes of its own)."""
+    total, todo = None, [pid]
+    while todo:
+        p = todo.pop()
+        cpu = _cpu_seconds(p)
+        if cpu is None:
+            continue
+        total = (total or 0.0) + cpu
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return total
+
+
+def timed_tree(cmd: list[str], env: dict, cwd: Path, log: Path, metrics: Path) -> dict:
+    """preference_vs_trl.timed for a command with child processes: the CPU seconds of the whole process
+    tree at the moment each line was appended to `metrics` (read only when the file grew)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy, start = _busy_seconds(), time.perf_counter()
+    step_cpu, size = [], 0
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            if metrics.exists() and metrics.stat().st_size != size:
+                with open(metrics, "rb") as f:
+                    data = f.read()
+                size, lines = len(data), data.count(b"\n")
+                cpu = _tree_cpu_seconds(proc.pid)
+                if cpu is not None:
+                    step_cpu += [cpu] * (lines - len(step_cpu))
+            time.sleep(0.002)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd[:4])} ... failed with exit code {proc.returncode}; see {log}")
+    return {"wall_s": wall, "other_cores": max(0.0, (_busy_seconds() - busy - own) / wall), "step_cpu": step_cpu}
 
 
 def run_trl(name: str, paths: dict, out: Path, steps: int, warmup: int, threads: int, attempt: int) -> dict:
@@ -92,14 +139,15 @@ def run_aligner(name: str, extra: list[str], paths: dict, out: Path, steps: int,
                  f"sampling.top_p={RUN['top_p']}", f"sampling.top_k={RUN['top_k']}",
                  f"optim.lr={RUN['lr']}", "optim.min_lr=1e-6", "optim.scheduler=constant", "optim.warmup_steps=0",
                  "optim.weight_decay=0.0", "optim.adam_beta1=0.9", "optim.adam_beta2=0.999", "optim.adam_eps=1e-8",
-                 "optim.clip_grad=1.0", "reward.functions=[bench.rl_reward:arith]", "logging.tensorboard=false",
+                 "optim.clip_grad=1.0", "reward.functions=[bench.rl_reward:arith]", "reward.workers=1",
+                 "logging.tensorboard=false",
                  "logging.progress=false", f"launcher.threads_per_rank={threads}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    load = timed([sys.executable, "-m", "aligner.cli", "train", "grpo", *overrides], env, REPO,
-                 out / f"{name}.{attempt}.log", metrics=run_dir / "metrics.jsonl")
+    load = timed_tree([sys.executable, "-m", "aligner.cli", "train", "grpo", *overrides], env, REPO,
+                      out / f"{name}.{attempt}.log", run_dir / "metrics.jsonl")
     cpu = load.pop("step_cpu")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     at = [i for i, m in enumerate(lines) if "timing/step_s" in m]  # a step's line (not a validation's)
