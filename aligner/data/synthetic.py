@@ -55,6 +55,15 @@ def write_input_output(path: str | Path, n: int, seed: int, max_operand: int = 9
     return _write_lines(path, ({"input": p["question"], "output": p["answer"]} for p in problems))
 
 
+def write_arithmetic_prompts(path: str | Path, n: int, seed: int, max_operand: int = 99, chat: bool = True) -> Path:
+    """Write `n` RL prompt records (`aligner.data.prompts`) to `path`: `{"prompt": [user message], "answer":
+    "19"}` with `chat` (the user turn of `chat_messages`), else `{"prompt": "12+7=", "answer": "19"}`; returns
+    `path`. The `arithmetic` reward function scores answers to them."""
+    problems = arithmetic_problems(n, seed, max_operand)
+    return _write_lines(path, ({"prompt": chat_messages(p)[:1] if chat else p["question"], "answer": p["answer"]}
+                               for p in problems))
+
+
 def corpus(n: int, seed: int, max_operand: int = 99) -> list[str]:
     """Texts to train the tiny tokenizer on: `n` problems in both the chat and the input/output wording,
     plus every number 0..max_operand, so numbers, operators and the question text get merged tokens."""
