@@ -42,7 +42,9 @@ def train(algorithm: str, overrides: list[str]) -> int:
     try:
         cfg = load_config(algorithm, overrides)
         _check_paths(cfg)
-    except (ConfigError, FileNotFoundError) as e:
+        if "reward" in cfg:
+            _check_rl_inputs(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"aligner train {algorithm}: {e}", file=sys.stderr)
         return 2
     run_dir = Path(cfg.run_dir)
@@ -75,6 +77,20 @@ def _check_paths(cfg) -> None:
                        ("data.val_path", cfg.data.val_path), ("model.pretrained", cfg.model.pretrained)):
         if value and not Path(value).exists():
             raise FileNotFoundError(f"{key}={value} does not exist")
+
+
+def _check_rl_inputs(cfg) -> None:
+    """Online RL: the reward functions load and every prompt record is valid, before any rank starts
+    (a ValueError names the function, or the file:line and what is expected)."""
+    from aligner.data.prompts import load_prompt_dataset
+    from aligner.data.tokenizer import load_tokenizer
+    from aligner.rewards.functions import resolve_reward_functions
+
+    resolve_reward_functions(list(cfg.reward.functions))
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    for path in (cfg.data.train_path, cfg.data.val_path):
+        if path:
+            load_prompt_dataset(path, tokenizer, cfg.data.max_length, cfg.data.overlong)
 
 
 def convert(argv: list[str]) -> int:

@@ -96,7 +96,7 @@ class RLTrainer(Trainer):
             if self.reference is not None:
                 self.attach(micro, "ref_logprobs",
                             self.reference.run(lambda model: self.token_logprobs(model, micro, length)))
-        if pending is not None:  # scores were computed while the log-probs were
+        if not self.a.dynamic_sampling.enabled:  # the scores were computed while the log-probs were
             with timings("score_wait"):
                 self.apply_scores(samples, pending, timings)
         if self.reference is not None and self.a.kl.mode == "reward":

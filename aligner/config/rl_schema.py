@@ -145,7 +145,7 @@ class RewardConfig:
     functions: list[str] = field(default_factory=list)  # builtin names or package.module:function
     weights: Optional[list[float]] = None  # one per function; None = 1.0 each
     url: Optional[str] = None  # host:port of an aligner reward-model or verifier server (added with weight 1)
-    workers: int = 4  # threads calling the reward functions
+    workers: int = 4  # worker processes calling the reward functions (aligner.rewards.scoring)
     timeout_s: float = 60.0  # remote scoring
 
 
