@@ -1,6 +1,6 @@
 """Build the tiny example's inputs with no download: a byte-level BPE tokenizer (vocab 512),
 synthetic arithmetic chat data for SFT, preference pairs (right vs wrong answer) for the reward
-model and DPO, and held-out prompts (rendered with the chat template) for generation.
+model and DPO, arithmetic prompts with their answers for GRPO, and held-out prompts (rendered with the chat template) for generation.
 
     python examples/tiny/prepare.py --out runs/tiny
 """
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from aligner.data.preference_rm import write_arithmetic_preferences
-from aligner.data.synthetic import arithmetic_problems, chat_messages, corpus, write_sft_chat
+from aligner.data.synthetic import arithmetic_problems, chat_messages, corpus, write_arithmetic_prompts, write_sft_chat
 from aligner.data.tokenizer import build_tiny_tokenizer, load_tokenizer
 
 
@@ -29,13 +29,15 @@ def main() -> None:
     write_sft_chat(out / "sft_val.jsonl", args.val, seed=2, max_operand=args.max_operand)
     write_arithmetic_preferences(out / "pref_train.jsonl", args.train, seed=3, max_operand=args.max_operand, ops="+-*")
     write_arithmetic_preferences(out / "pref_val.jsonl", args.val, seed=4, max_operand=args.max_operand, ops="+-*")
+    write_arithmetic_prompts(out / "rl_train.jsonl", args.train, seed=6, max_operand=args.max_operand)
+    write_arithmetic_prompts(out / "rl_val.jsonl", 64, seed=7, max_operand=args.max_operand)
     tokenizer = load_tokenizer(out / "tokenizer")
     with open(out / "prompts.jsonl", "w") as f:
         for problem in arithmetic_problems(8, seed=5, max_operand=args.max_operand):
             user_turn = chat_messages(problem)[:1]
             text = tokenizer.apply_chat_template(user_turn, tokenize=False, add_generation_prompt=True)
             f.write(json.dumps({"prompt": text, "answer": problem["answer"]}) + "\n")
-    print(f"wrote {out}/: tokenizer, sft_{{train,val}}.jsonl, pref_{{train,val}}.jsonl, prompts.jsonl")
+    print(f"wrote {out}/: tokenizer, sft_{{train,val}}.jsonl, pref_{{train,val}}.jsonl, rl_{{train,val}}.jsonl, prompts.jsonl")
 
 
 if __name__ == "__main__":

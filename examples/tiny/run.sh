@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The built-in tiny example, end to end on a CPU: set up, build tokenizer + data, then
-# SFT -> reward model (from the SFT weights) -> DPO (from the SFT weights) -> generate with the DPO policy.
+# SFT -> reward model (from the SFT weights) -> DPO (from the SFT weights) -> generate with the DPO policy,
+# and GRPO (from the SFT weights, the `arithmetic` exact-answer reward) with its greedy accuracy before and after.
 #   bash examples/tiny/run.sh [overrides for every training stage, e.g.
 #                              launcher.nproc_per_node=2 model.tensor_model_parallel_size=2]
 set -euo pipefail
@@ -14,8 +15,8 @@ python examples/tiny/prepare.py --out $T
 common=(tokenizer.path=$T/tokenizer logging.progress=false "$@")
 
 aligner train sft run_dir=$T/sft data.train_path=$T/sft_train.jsonl data.val_path=$T/sft_val.jsonl \
-  trainer.max_steps=100 trainer.val_interval=50 trainer.save_interval=50 "${common[@]}"
-SFT=$T/sft/checkpoints/step_000100
+  trainer.max_steps=300 trainer.val_interval=100 trainer.save_interval=100 "${common[@]}"
+SFT=$T/sft/checkpoints/step_000300
 
 aligner train rm run_dir=$T/rm model.pretrained=$SFT data.train_path=$T/pref_train.jsonl \
   data.val_path=$T/pref_val.jsonl trainer.max_steps=60 trainer.val_interval=30 optim.lr=1e-3 optim.min_lr=1e-4 "${common[@]}"
@@ -26,8 +27,20 @@ aligner train dpo run_dir=$T/dpo model.pretrained=$SFT data.train_path=$T/pref_t
 aligner generate --model $T/dpo/checkpoints/step_000030 --prompts $T/prompts.jsonl --out $T/generations.jsonl \
   sampling.greedy=true sampling.max_new_tokens=12
 
-echo "--- last metrics: SFT, RM, DPO ---"
-for stage in sft rm dpo; do tail -n 1 $T/$stage/metrics.jsonl; done
+aligner train grpo run_dir=$T/grpo model.pretrained=$SFT data.train_path=$T/rl_train.jsonl \
+  data.val_path=$T/rl_val.jsonl reward.functions=[arithmetic] trainer.max_steps=40 trainer.val_interval=20 \
+  algorithm.prompts_per_step=16 algorithm.num_generations=8 trainer.global_batch_size=128 trainer.micro_batch_size=64 \
+  sampling.max_new_tokens=4 optim.lr=5e-5 optim.min_lr=5e-5 algorithm.kl.coef=0.01 "${common[@]}"
+
+echo "--- last metrics: SFT, RM, DPO, GRPO ---"
+for stage in sft rm dpo grpo; do tail -n 1 $T/$stage/metrics.jsonl; done
+echo "--- GRPO: greedy exact-answer accuracy on $T/rl_val.jsonl (val/reward/mean) ---"
+python - "$T" <<'PY'
+import json, sys
+vals = [(r["step"], r["val/reward/mean"]) for r in map(json.loads, open(f"{sys.argv[1]}/grpo/metrics.jsonl"))
+        if "val/reward/mean" in r]
+print(f"before the first step: {vals[0][1]:.3f}; after step {vals[-1][0]}: {vals[-1][1]:.3f}")
+PY
 echo "--- DPO policy, greedy (prompt -> response | right answer) ---"
 python - "$T" <<'PY'
 import json, sys
