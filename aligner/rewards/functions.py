@@ -24,11 +24,14 @@ Builtins (a missing field they need leaves the sample unscored):
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
 import numbers
+import os
 import re
 import signal
+import sys
 from typing import Callable
 
 from aligner.rewards.math import arithmetic_verdict, math_verdict
@@ -133,3 +136,15 @@ def worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(STOP_SIGNAL, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [STOP_SIGNAL])
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel kill this worker when its rank dies, even by SIGKILL (which leaves no
+    chance to close the pool): prctl(PR_SET_PDEATHSIG, SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the rank died before the call
+        os._exit(1)
