@@ -132,8 +132,9 @@ def test_reinforce_preset_and_dapo_options_run(tiny_assets, rl_assets, tmp_path)
     assert all("kl/mean" in m and m["fraction/dropped_groups"] == 0 for m in reinforce)
     dapo = grpo(tiny_assets, rl_assets, tmp_path / "dapo", "trainer.max_steps=2", "algorithm.kl.mode=none",
                 "algorithm.clip_high=0.28", "algorithm.dynamic_sampling.enabled=true", "algorithm.overlong.buffer=2",
-                "algorithm.importance_sampling.level=token", "algorithm.ppo_epochs=2")
+                "algorithm.importance_sampling.level=token", "algorithm.ppo_epochs=2", "generation.check_refit=true")
     assert all("kl/mean" not in m and m["optimizer_steps"] == 2 for m in dapo)
+    assert all(m["refit/bitwise"] == 1.0 and m["refit/max_abs_diff"] == 0.0 for m in dapo)  # the engine's own weights
     assert all(0 <= m["fraction/dropped_groups"] <= 1 for m in dapo)
 
 
