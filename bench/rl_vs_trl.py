@@ -18,6 +18,8 @@ prompts TRL's GRPOTrainer gets, no chat template on either side; "answer" reache
 as a field). Step time is wall time per step (median over the timed steps); CPU s/step is the process's
 CPU time per step (mean over the timed steps), the ratio's basis with 1 thread (the default); "other
 cores" is other processes' average core use during a run (over ~0.3 the wall times are contaminated).
+aligner scores in worker processes: one here (`reward.workers=1`; TRL calls its reward function in the
+trainer's process), and its CPU time is that of its whole process tree.
 `--repeats N` runs every case N times in interleaved rounds; a ratio pairs each attempt with TRL's
 attempt of the same round, and the table gives the median of those paired ratios and each of them.
 Generated tokens count each response up to and including its eos, on both sides.
@@ -119,7 +121,8 @@ def run_trl(name: str, paths: dict, out: Path, steps: int, warmup: int, threads:
     return {"step_s": r["median_step_s"], "min_step_s": r["min_step_s"],
             "cpu_step_s": statistics.fmean(s["cpu_s"] for s in timed_steps),
             "generated_tokens_per_step": r["gen_tokens_per_step"],
-            "phases": {"generate": r["median_gen_s_per_step"]},
+            "phases": {"generate": r["median_gen_s_per_step"],
+                       "other": statistics.median(s["step_s"] - s["gen_time"] for s in timed_steps)},
             "reward_mean": statistics.fmean(rewards) if rewards else None,
             "trl_config": r.get("config"), **load}
 
@@ -155,6 +158,9 @@ def run_aligner(name: str, extra: list[str], paths: dict, out: Path, steps: int,
     step = [m["timing/step_s"] for m in metrics]
     phases = {p: statistics.median(m[f"timing/{p}_s"] for m in metrics)
               for p in PHASES if all(f"timing/{p}_s" in m for m in metrics)}
+    # the rest of a step: its time less the phases it spends in sequence (`score` runs beside them)
+    phases["other"] = statistics.median(m["timing/step_s"] - sum(m.get(f"timing/{p}_s", 0.0) for p in PHASES
+                                                                 if p != "score") for m in metrics)
     return {"step_s": statistics.median(step), "min_step_s": min(step),
             "cpu_step_s": (cpu[at[steps - 1]] - cpu[at[warmup - 1]]) / (steps - warmup),
             "generated_tokens_per_step": statistics.fmean(m["response_length/mean"] for m in metrics) * n,
@@ -216,16 +222,15 @@ def report(summary: dict, args) -> None:
         print(f"| {s['algorithm']} | {name} | {s['configuration']} | {s['step_s']:.4f} | {s['cpu_step_s']:.4f} | "
               f"{s['generated_tokens_per_step']:.0f} | {ratio} | {rounds} | {wall} | {verdict} | "
               f"{s['other_cores_max']:.2f} |")
-    print("\nWhere a step's time goes (seconds, median over the timed steps, then over attempts; aligner's "
-          "`score` runs in a thread beside logprobs/reference, `score wait` is what the step waited for it; "
-          "other = step minus the phases it spends in sequence; TRL's harness times only generate)\n")
+    print("\nWhere a step's time goes (seconds, median over the timed steps, then over attempts): aligner's "
+          "`score` runs in its worker process beside logprobs/reference, `score wait` is what the step waited for it, "
+          "other = the step less the phases it spends in sequence; TRL's harness times only generate, so its other "
+          "is all the rest (reward, reference and policy forwards, backward, optimizer)\n")
     print("| algorithm | run | step | generate | score | score wait | logprobs | reference | train | refit | other |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, s in summary.items():
-        ph = s["phases"]
-        serial = sum(v for p, v in ph.items() if p != "score")
-        cells = [f"{ph[p]:.4f}" if p in ph else "" for p in PHASES]
-        print(f"| {s['algorithm']} | {name} | {s['step_s']:.4f} | {' | '.join(cells)} | {s['step_s'] - serial:.4f} |")
+        cells = [f"{s['phases'][p]:.4f}" if p in s["phases"] else "" for p in (*PHASES, "other")]
+        print(f"| {s['algorithm']} | {name} | {s['step_s']:.4f} | {' | '.join(cells)} |")
 
 
 def main() -> None:
