@@ -29,14 +29,16 @@ from megatron.core import parallel_state as ps
 
 from aligner.algorithms import rl_samples
 from aligner.algorithms.functional import kl_penalty
+from aligner.algorithms.preference_trainer import attach
 from aligner.algorithms.rl_loss import PolicyLoss, logprobs_output, rl_micro_batches, token_values
 from aligner.algorithms.rl_samples import Sample
+from aligner.algorithms.sequence_logprobs import collected
 from aligner.algorithms.trainer import Trainer
 from aligner.algorithms.training_step import forward_backward, optimizer_step
 from aligner.data.loader import split_for_rank
 from aligner.generation import rng
 from aligner.generation.types import SamplingParams
-from aligner.models.forward_step import collect, make_forward_step, run_micro_batches
+from aligner.models.forward_step import collect, make_forward_step
 
 
 class Timings(defaultdict):
@@ -91,10 +93,10 @@ class RLTrainer(Trainer):
         micro, length, mine = self.micro_batches(samples)
         with timings("logprobs"):
             if self.needs_old_logprobs:
-                self.attach(micro, "old_logprobs", self.token_logprobs(self.model, micro, length))
+                attach(micro, "old_logprobs", self.token_logprobs(self.model, micro, length))
         with timings("reference"):
             if self.reference is not None:
-                self.attach(micro, "ref_logprobs",
+                attach(micro, "ref_logprobs",
                             self.reference.run(lambda model: self.token_logprobs(model, micro, length)))
         if not self.a.dynamic_sampling.enabled:  # the scores were computed while the log-probs were
             with timings("score_wait"):
@@ -208,20 +210,9 @@ class RLTrainer(Trainer):
                                          self.length_multiple)
         return micro, length, mine
 
-    @torch.no_grad()
     def token_logprobs(self, model, micro: list[dict], length: int) -> list[torch.Tensor]:
         """Per-response-token log-probs [n, T] of each micro-batch (last pipeline stage; [] elsewhere)."""
-        was_training = model.training
-        model.eval()
-        try:
-            return [o["out"] for o in run_micro_batches(model, self.logprob_step, micro, length, forward_only=True)]
-        finally:
-            model.train(was_training)
-
-    @staticmethod
-    def attach(micro: list[dict], key: str, values: list[torch.Tensor]) -> None:
-        for batch, value in zip(micro, values):
-            batch[key] = value
+        return collected(model, self.logprob_step, micro, length)
 
     def sample_kl(self, micro: list[dict], mine: list[Sample], samples: list[Sample]) -> list[float]:
         """Each sample's masked-mean token KL(old policy || reference), shared by every rank."""

@@ -22,10 +22,17 @@ def logprob_sums(model, micro_batches: list[dict], length: int, vocab_size: int)
     pipeline stage, summed over the CP group; an empty list on other stages."""
     step = make_forward_step(label_logprobs(vocab_size),
                              collect(lambda values, local, batch: sequence_sums(values, local, batch)[0]))
+    return collected(model, step, micro_batches, length)
+
+
+@torch.no_grad()
+def collected(model, collect_step, micro_batches: list[dict], length: int) -> list:
+    """What a `forward_step.collect` step keeps of each micro-batch (forward only, eval mode), on the last
+    pipeline stage; an empty list on other stages."""
     was_training = model.training
     model.eval()
     try:
-        outputs = run_micro_batches(model, step, micro_batches, length, forward_only=True)
+        outputs = run_micro_batches(model, collect_step, micro_batches, length, forward_only=True)
     finally:
         model.train(was_training)
     return [o["out"] for o in outputs]
