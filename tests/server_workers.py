@@ -44,7 +44,7 @@ def triton_scratch_dirs() -> set[str]:
     return set(glob.glob("/tmp/aligner-triton-*")) | set(glob.glob(str(Path.home() / ".cache/pytriton/workspace_*")))
 
 
-MODELS = ("reward_model", "critic_infer", "critic_train", "critic_save", "verifier")
+MODELS = ("reward_model", "critic_infer", "critic_train", "critic_save", "critic_load", "verifier")
 
 
 def triton_model_dirs() -> set[str]:

@@ -1,6 +1,6 @@
 """The servers' client without a real server: readiness errors, retries with backoff on refused and
-dropped connections (only idempotent endpoints are resent), server refusals, timeouts, and typed
-per-sample results that never turn a failure into a 0 reward."""
+dropped connections (only idempotent endpoints are resent: critic_save/load, not critic_train), server
+refusals, timeouts, and typed per-sample results that never turn a failure into a 0 reward."""
 from __future__ import annotations
 
 import json
@@ -110,6 +110,12 @@ def test_dropped_connections_are_resent_only_when_idempotent(fake):
     with pytest.raises(CallFailed, match="not resent"):
         critic.train(np.ones((1, 3)), np.zeros((1, 3)), np.zeros((1, 3)), np.ones((1, 3))).result(timeout=30)
     assert fake.requests == 1
+    for call in (critic.save, critic.load):  # saving or loading a step twice leaves the same state
+        fake.requests = 0
+        with pytest.raises(CallFailed, match="after 3 attempts"):
+            call(7).result(timeout=30)
+        assert fake.requests == 3
+    critic.close()
 
 
 @pytest.mark.parametrize("fake", ["refuse"], indirect=True)
@@ -148,8 +154,8 @@ def test_server_reason_is_the_raised_exception_line():
 
 
 def test_values_padding_marks_unscored_samples():
-    values = Values((SampleResult("ok", np.array([1.0, 2.0])), SampleResult("error", None, "boom")))
-    assert values.scored.tolist() == [True, False]
+    values = Values((SampleResult("ok", np.array([1.0, 2.0])), SampleResult("error", None, "boom")), seconds=0.5)
+    assert values.scored.tolist() == [True, False] and values.seconds == 0.5
     padded = values.padded(3)
     assert padded[0, :2].tolist() == [1.0, 2.0] and np.isnan(padded[0, 2]) and np.isnan(padded[1]).all()
 

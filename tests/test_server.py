@@ -2,7 +2,9 @@
 a reward server at TP=1 and at TP=2, a critic co-hosting a 2-attribute reward model, a verifier.
 
 Scores served equal in-process scores of the same checkpoint; TP=2 equals TP=1; critic_train
-changes the values and critic_save reloads identically; bad requests get errors while the server
+changes the values (reporting its clip fraction and seconds) and critic_save (at an actor step)
+reloads identically; critic_load and a restart with resume_step return bitwise to a saved step, and a
+step never saved is refused while the critic serves on; bad requests get errors while the server
 keeps serving; a port clash is not mistaken for readiness; a server killed mid-traffic costs errors
 (never 0 rewards) and the same client works again once it is back; everything stops cleanly."""
 from __future__ import annotations
@@ -196,29 +198,92 @@ def test_critic_infer_also_returns_rewards(world, reference):
     assert np.abs(out["rewards"] - _served_rm2(reference["rm2"][:5])).max() < 1e-5
 
 
-def test_critic_train_changes_values_and_save_reloads_identically(world):
-    from aligner.servers.client import CriticClient
-    from aligner.models.scoring import score_checkpoint
+def _train_batch(world):
     from aligner.servers.protocol import pad_token_rows
 
-    seqs = world["sequences"][:24]
+    seqs = world["sequences"][:24]  # two optimizer steps of the critic's global batch 16
     tokens, lengths = pad_token_rows(seqs)
-    mask = (np.arange(tokens.shape[1])[None, :] < lengths).astype(np.float32)
+    return seqs, tokens, (np.arange(tokens.shape[1])[None, :] < lengths).astype(np.float32)
+
+
+def _same_values(a, b) -> bool:
+    return all(x.ok and y.ok and np.array_equal(x.value, y.value) for x, y in zip(a.results, b.results, strict=True))
+
+
+def test_critic_train_changes_values_and_save_reloads_identically(world):
+    import json
+
+    from aligner.models.scoring import score_checkpoint
+    from aligner.servers.client import CriticClient
+
+    seqs, tokens, mask = _train_batch(world)
     with CriticClient(port=world["ports"]["critic"]) as critic:
-        before = critic.values(seqs).result(timeout=60).padded(tokens.shape[1])
-        returns = np.nan_to_num(before) + 1.0
-        loss = critic.train(tokens, returns, np.nan_to_num(before), mask).result(timeout=120)
-        after = critic.values(seqs).result(timeout=60).padded(tokens.shape[1])
-        step = critic.save().result(timeout=120)
-    assert np.isfinite(loss) and loss > 0
-    moved = ((after - before)[mask > 0]).mean()
-    print(f"critic_train: loss {loss:.4f}, mean value change {moved:+.4f} towards returns (+1)")
+        before = critic.values(seqs).result(timeout=60)
+        start = np.nan_to_num(before.padded(tokens.shape[1]))
+        trained = critic.train(tokens, start + 1.0, start, mask).result(timeout=120)
+        served = critic.values(seqs).result(timeout=60)
+        step = critic.save(7).result(timeout=120)
+    after = served.padded(tokens.shape[1])
+    assert np.isfinite(trained.loss_mean) and trained.loss_mean > 0
+    assert 0.0 <= trained.clip_fraction <= 1.0 and trained.seconds > 0 and before.seconds > 0
+    moved = ((after - start)[mask > 0]).mean()
+    print(f"critic_train: loss {trained.loss_mean:.4f}, clip fraction {trained.clip_fraction:.3f}, "
+          f"{trained.seconds:.2f} s on the server; mean value change {moved:+.4f} towards returns (+1)")
     assert moved > 0.01  # two optimizer steps (24 rows, global batch 16) towards the returns
-    assert step == 2
-    reloaded = score_checkpoint(world["root"] / "critic" / "checkpoints" / f"step_{step:06d}", seqs, per_token=True)
+    assert step == 7
+    saved = world["root"] / "critic" / "checkpoints" / "step_000007"
+    state = json.loads((saved / "aligner.json").read_text())["trainer_state"]
+    assert (state["actor_step"], state["updates"]) == (7, 2)
+    reloaded = score_checkpoint(saved, seqs, per_token=True)
     diff = np.abs(reloaded.numpy()[mask > 0] - after[mask > 0]).max()
     print(f"saved critic reloaded in-process vs served: max |diff| {diff:.2e}")
     assert diff < 1e-5
+    world["critic_step_7"] = served
+
+
+def test_critic_load_returns_bitwise_to_a_saved_step(world):
+    from aligner.servers.client import CallFailed, CriticClient
+
+    at_7 = world.get("critic_step_7") or pytest.skip("needs the step-7 checkpoint of the test above")
+    seqs, tokens, mask = _train_batch(world)
+    values = np.nan_to_num(at_7.padded(tokens.shape[1]))
+    with CriticClient(port=world["ports"]["critic"]) as critic:
+        # previous values 10 above the current ones and returns 10 below: every token's value moves
+        # more than loss_clip=0.2 from its previous value, away from the return, so each one is clipped
+        far = critic.train(tokens, values - 10.0, values + 10.0, mask).result(timeout=120)
+        assert critic.save(9).result(timeout=120) == 9
+        at_9 = critic.values(seqs).result(timeout=60)
+        assert critic.load(7).result(timeout=120) == 7
+        back = critic.values(seqs).result(timeout=60)
+        # the optimizer, LR schedule and update count came back too: the same request trains the same way
+        again = critic.train(tokens, values - 10.0, values + 10.0, mask).result(timeout=120)
+        at_9_again = critic.values(seqs).result(timeout=60)
+        with pytest.raises(CallFailed) as missing:
+            critic.load(99).result(timeout=60)
+        still = critic.values(seqs).result(timeout=60)
+    assert far.clip_fraction == 1.0 and not _same_values(at_9, at_7)
+    assert _same_values(back, at_7)
+    assert again.loss_mean == far.loss_mean and _same_values(at_9_again, at_9)
+    message = missing.value.message
+    print(f"critic_load(99): {message}")
+    assert missing.value.status == "error" and message.count("\n") == 0
+    assert (f"no critic checkpoint for actor step 99 in {world['root'] / 'critic' / 'checkpoints'} "
+            f"(steps saved there: 7, 9)") in message
+    assert _same_values(still, at_9)  # the server serves on, unchanged
+
+
+def test_a_restarted_critic_resumes_from_resume_step(world):
+    """The critic saved step 9 after step 7; an actor resuming from step 7 starts it at step 7."""
+    from aligner.servers.client import CriticClient
+    from aligner.servers.process import ServerProcess
+
+    at_7 = world.get("critic_step_7") or pytest.skip("needs the step-7 checkpoint of the tests above")
+    server = world["servers"]["critic"]
+    assert server.stop() == 0
+    restarted = ServerProcess(server.kind, [*server.overrides, "resume_step=7"], server.run_dir, port=server.port)
+    world["servers"]["critic"] = restarted.start().wait_ready(240)
+    with CriticClient(port=world["ports"]["critic"]) as critic:
+        assert _same_values(critic.values(world["sequences"][:24]).result(timeout=60), at_7)
 
 
 def test_critic_train_rejects_mismatched_shapes(world):

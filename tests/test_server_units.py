@@ -1,5 +1,6 @@
 """Server pieces without a server: request checks, the served reward's post-processing, the math
-verifier, serve-config checks, and the CLI refusing a busy port before loading anything."""
+verifier, the critic's clip fraction by hand and its checkpoints by actor step, serve-config checks,
+and the CLI refusing a busy port or a never-saved resume_step before loading anything."""
 from __future__ import annotations
 
 import json
@@ -60,9 +61,16 @@ def test_endpoints_keep_nemo_aligner_wire_names():
     assert reward.outputs[0].name == "rewards" and reward.outputs[0].shape == (3,) and reward.outputs[0].dtype is np.float32
     assert reward.input("tokens").dtype is np.int64 and reward.input("sequence_lengths").shape == (1,)
     assert [t.name for t in protocol.CRITIC_TRAIN.inputs] == ["tokens", "returns", "prev_values", "mask"]
+    assert [t.name for t in protocol.CRITIC_TRAIN.outputs] == ["loss_mean", "clip_fraction", "seconds"]
     assert not protocol.CRITIC_TRAIN.idempotent and not protocol.CRITIC_TRAIN.batched
-    assert [t.name for t in protocol.critic_infer_endpoint(1).outputs] == ["values", "rewards"]
-    assert protocol.CRITIC_SAVE.inputs[0].name == "dummy_var"
+    assert [t.name for t in protocol.critic_infer_endpoint(1).outputs] == ["values", "seconds", "rewards"]
+    # checkpoints are named by the actor's step (NeMo-Aligner's critic_save sends a dummy_var instead)
+    for endpoint in (protocol.CRITIC_SAVE, protocol.CRITIC_LOAD):
+        assert endpoint.inputs == endpoint.outputs == (protocol.STEP,) and endpoint.idempotent
+    assert protocol.STEP.dtype is np.int64 and protocol.STEP.shape == (1,)
+    assert protocol.check_step({"step": np.array([7])}) == 7
+    with pytest.raises(RequestError, match="one actor step >= 0"):
+        protocol.check_step({"step": np.array([-1])})
 
 
 # ---- served reward -------------------------------------------------------------------------------------
@@ -80,6 +88,63 @@ def test_reward_output_weights_then_standardises():
     assert plain.num_outputs == 3 and plain(np.ones((1, 3))).tolist() == [[1.0, 1.0, 1.0]]
     with pytest.raises(ValueError, match="2 entries but the reward model has 3 outputs"):
         RewardOutput(cfg, 3)
+
+
+# ---- the critic ------------------------------------------------------------------------------------------
+def test_clip_fraction_by_hand():
+    """clip 0.2. Token 0: V 1 moved past V_old 0 + 0.2, R 2: (0.2 - 2)^2 = 3.24 > (1 - 2)^2, clipped.
+    Token 1: V = V_old: equal terms, not clipped. Token 2: clipped too, but masked out. Token 3: V 3
+    moved past V_old 3.5 - 0.2, R 4: (3.3 - 4)^2 = 0.49 < (3 - 4)^2, not clipped. So 1 of 3 tokens;
+    loss (3.24 + 1 + 1) / 2."""
+    import torch
+
+    from aligner.servers.critic_server import train_summary, value_loss
+
+    local = {"prev_values": torch.tensor([[0.0, 2.0, 1.0, 3.5]]), "returns": torch.tensor([[2.0, 3.0, -1.0, 4.0]]),
+             "mask": torch.tensor([[1.0, 1.0, 0.0, 1.0]])}
+    loss, count, report = value_loss(0.2)(torch.tensor([[1.0, 2.0, 0.0, 3.0]])[..., None], local)
+    assert (count.item(), report["clipped"].item()) == (3.0, 1.0)
+    assert loss.item() == report["loss"].item() == pytest.approx(2.62)
+    # over a request's steps, clip_fraction weighs each step by its tokens: (1 + 1) / (3 + 1), not (1/3 + 1) / 2
+    loss_mean, clip_fraction = train_summary([{"loss": 2.62, "count": 3.0, "clipped": 1.0},
+                                              {"loss": 0.5, "count": 1.0, "clipped": 1.0}])
+    assert clip_fraction == 0.5 and loss_mean == pytest.approx((2.62 / 3 + 0.5) / 2)
+
+
+def _fake_critic_checkpoint(path, actor_step, complete=True):
+    path.mkdir(parents=True)
+    (path / "aligner.json").write_text(json.dumps({"head": "value", "model": {"num_attention_heads": 4},
+                                                   "trainer_state": {"actor_step": actor_step, "updates": 2}}))
+    if complete:
+        (path / "COMPLETE").write_text("")
+    return path
+
+
+def test_critic_checkpoints_are_found_by_the_actor_step_inside_them(tmp_path):
+    from aligner.servers.config import critic_checkpoints, no_critic_checkpoint
+
+    checkpoints = tmp_path / "checkpoints"
+    assert critic_checkpoints(checkpoints) == {}
+    _fake_critic_checkpoint(checkpoints / "step_000003", 3)
+    _fake_critic_checkpoint(checkpoints / "renamed", 12)
+    _fake_critic_checkpoint(checkpoints / "step_000020", 20, complete=False)  # a save that died
+    _fake_critic_checkpoint(checkpoints / "step_000030.partial", 30)
+    found = critic_checkpoints(checkpoints)
+    assert found == {3: checkpoints / "step_000003", 12: checkpoints / "renamed"}
+    assert no_critic_checkpoint(5, checkpoints, found) == \
+        f"no critic checkpoint for actor step 5 in {checkpoints} (steps saved there: 3, 12)"
+
+
+def test_cli_refuses_a_never_saved_resume_step_in_one_line(tmp_path):
+    from tests.conftest import run_cli
+
+    rm = _fake_checkpoint(tmp_path / "rm")
+    for step in (3, 8):
+        _fake_critic_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{step:06d}", step)
+    result = run_cli("serve", "critic", f"checkpoint={rm}", f"run_dir={tmp_path / 'run'}", "resume_step=5", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"aligner serve critic: resume_step=5: no critic checkpoint for actor step 5 in "
+                                     f"{tmp_path / 'run' / 'checkpoints'} (steps saved there: 3, 8)")
 
 
 # ---- verifiable rewards ------------------------------------------------------------------------------
@@ -125,6 +190,7 @@ def _fake_checkpoint(path, head="reward", outputs=1):
     ("critic", ["checkpoint=null"], "the critic needs initial weights"),
     ("critic", ["trainer.global_batch_size=6", "trainer.micro_batch_size=4"], "must be a multiple of"),
     ("critic", ["reward_checkpoint=LM"], "is not a reward model"),
+    ("critic", ["resume_step=4"], "resume_step=4: no critic checkpoint for actor step 4 in"),
     ("verifier", ["verifier=nope"], "verifier=nope is unknown"),
 ])
 def test_serve_config_errors(tmp_path, kind, overrides, message):

@@ -244,6 +244,8 @@ class CriticTrainConfig:
 class CriticServeConfig:
     checkpoint: Optional[str] = None  # initial weights: a reward/value/LM checkpoint; a critic checkpoint
     # in <run_dir>/checkpoints (from critic_save) takes precedence
+    resume_step: Optional[int] = None  # start from the critic checkpoint saved at this actor step (it must
+    # exist); None = the latest one, else `checkpoint`
     tokenizer: Optional[str] = None  # for text requests; None = <checkpoint>/tokenizer
     run_dir: str = "runs/serve_critic"
     reward_checkpoint: Optional[str] = None  # co-host this reward model (same architecture), swapped in from CPU

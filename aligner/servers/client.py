@@ -46,7 +46,7 @@ OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 # Triton's answers while a model is not loaded (yet): the request did not run.
 _NOT_SERVING_YET = ("is not found", "is not ready", "unavailable")
 _KIND = {"reward_model": "reward", "verifier": "verifier", "critic_infer": "critic", "critic_train": "critic",
-         "critic_save": "critic"}
+         "critic_save": "critic", "critic_load": "critic"}
 
 
 class ServerUnavailable(ConnectionError):
@@ -308,9 +308,12 @@ class RewardClient(_PooledClient):
 @dataclass(frozen=True)
 class Values:
     """Per-token critic values of a batch, in input order: `results[i].value` has one value per
-    token of sample i when ok."""
+    token of sample i when ok. `seconds`: the server's time for the forwards, summed over the
+    batch's requests that got an answer (requests the server merged into one call each count that
+    call's time)."""
 
     results: tuple[SampleResult, ...]
+    seconds: float = 0.0
 
     @property
     def scored(self) -> np.ndarray:
@@ -325,8 +328,19 @@ class Values:
         return out
 
 
+@dataclass(frozen=True)
+class TrainResult:
+    """critic_train's reply: the mean loss over the optimizer steps, the fraction of masked tokens
+    whose value was clipped (over all the steps), and the server's seconds for the training."""
+
+    loss_mean: float
+    clip_fraction: float
+    seconds: float
+
+
 class CriticClient(_PooledClient):
-    """critic_infer (futures of typed per-sample values), critic_train, critic_save."""
+    """critic_infer (futures of typed per-sample values), critic_train, critic_save / critic_load
+    (checkpoints named by the actor's step)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 5567, *, max_rows: int = 64, workers: int = 4,
                  pad_to_multiple: int = 16, timeout_s: float = 60.0, train_timeout_s: float = 3600.0,
@@ -337,35 +351,55 @@ class CriticClient(_PooledClient):
         self.infer_endpoint = make("critic_infer", timeout_s, True)
         self.train_endpoint = make("critic_train", train_timeout_s, protocol.CRITIC_TRAIN.idempotent)
         self.save_endpoint = make("critic_save", train_timeout_s, protocol.CRITIC_SAVE.idempotent)
+        self.load_endpoint = make("critic_load", train_timeout_s, protocol.CRITIC_LOAD.idempotent)
         self.max_rows, self.pad_to_multiple = max_rows, pad_to_multiple
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        for endpoint in (self.infer_endpoint, self.train_endpoint, self.save_endpoint):
+        for endpoint in (self.infer_endpoint, self.train_endpoint, self.save_endpoint, self.load_endpoint):
             endpoint.wait_ready(max(0.0, deadline - time.monotonic()))
 
     def values(self, sequences) -> Future:
         """Future[Values] for token-id sequences."""
         items = [np.asarray(s, dtype=np.int64) for s in sequences]
+        seconds = []  # one entry per answered chunk (list.append is atomic)
 
         def run_chunk(start, stop):
             if any(len(s) == 0 for s in items[start:stop]):
                 raise CallFailed(ERROR, "a sample has no tokens")
-            values = self.infer_endpoint.call(_token_inputs(items[start:stop], self.pad_to_multiple))["values"]
+            out = self.infer_endpoint.call(_token_inputs(items[start:stop], self.pad_to_multiple))
+            values = out[protocol.VALUES.name]
+            seconds.append(float(out[protocol.SECONDS.name].reshape(-1)[0]))
             return [SampleResult(OK, values[i - start, :len(items[i])].astype(np.float32)) for i in range(start, stop)]
 
-        return self._rows_in_chunks(len(items), self.max_rows, run_chunk, lambda results: Values(tuple(results)))
+        return self._rows_in_chunks(len(items), self.max_rows, run_chunk,
+                                    lambda results: Values(tuple(results), float(sum(seconds))))
 
     def train(self, tokens: np.ndarray, returns: np.ndarray, prev_values: np.ndarray, mask: np.ndarray) -> Future:
-        """Future[float]: the mean loss of the optimizer steps the server took on this batch. All
-        arrays [B, S] (tokens int64, the rest float32). Raises CallFailed through the future."""
+        """Future[TrainResult] of the optimizer steps the server took on this batch. All arrays
+        [B, S] (tokens int64, the rest float32). Raises CallFailed through the future."""
         inputs = {"tokens": np.ascontiguousarray(tokens, dtype=np.int64),
-                  "returns": np.ascontiguousarray(returns, dtype=np.float32),
-                  "prev_values": np.ascontiguousarray(prev_values, dtype=np.float32),
-                  "mask": np.ascontiguousarray(mask, dtype=np.float32)}
-        return self.pool.submit(lambda: float(self.train_endpoint.call(inputs)["loss_mean"].reshape(-1)[0]))
+                  protocol.RETURNS.name: np.ascontiguousarray(returns, dtype=np.float32),
+                  protocol.PREV_VALUES.name: np.ascontiguousarray(prev_values, dtype=np.float32),
+                  protocol.MASK.name: np.ascontiguousarray(mask, dtype=np.float32)}
 
-    def save(self) -> Future:
-        """Future[int]: the critic's step, once its checkpoint is written."""
-        return self.pool.submit(
-            lambda: int(self.save_endpoint.call({"dummy_var": np.zeros((1,), dtype=np.int64)})["step"].reshape(-1)[0]))
+        def call():
+            out = {k: float(v.reshape(-1)[0]) for k, v in self.train_endpoint.call(inputs).items()}
+            return TrainResult(out[protocol.LOSS_MEAN.name], out[protocol.CLIP_FRACTION.name],
+                               out[protocol.SECONDS.name])
+
+        return self.pool.submit(call)
+
+    def save(self, step: int) -> Future:
+        """Future[int]: `step` (the actor's), once the critic's checkpoint for it is written."""
+        return self.pool.submit(self._step_call, self.save_endpoint, step)
+
+    def load(self, step: int) -> Future:
+        """Future[int]: `step`, once the critic is back to its checkpoint for that actor step (every
+        rank). Raises CallFailed through the future when none was saved; the message lists those that were."""
+        return self.pool.submit(self._step_call, self.load_endpoint, step)
+
+    @staticmethod
+    def _step_call(endpoint: EndpointClient, step: int) -> int:
+        out = endpoint.call({protocol.STEP.name: np.array([step], dtype=np.int64)})
+        return int(out[protocol.STEP.name].reshape(-1)[0])

@@ -35,6 +35,25 @@ def _checkpoint_meta(key: str, path) -> dict:
     return json.loads(meta.read_text())
 
 
+def critic_checkpoints(checkpoints_dir) -> dict[int, Path]:
+    """The complete critic checkpoints in `checkpoints_dir` by the actor step recorded inside each
+    (`trainer_state.actor_step`, written by `critic_save`; directory names are not trusted)."""
+    from aligner.models.checkpoint import is_complete, read_metadata
+
+    root = Path(checkpoints_dir)
+    found = {}
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        if is_complete(path) and (step := read_metadata(path)["trainer_state"].get("actor_step")) is not None:
+            found[int(step)] = path
+    return found
+
+
+def no_critic_checkpoint(step: int, checkpoints_dir, found: dict) -> str:
+    """Why the critic cannot start from or load actor step `step`, in one line."""
+    return (f"no critic checkpoint for actor step {step} in {checkpoints_dir} (steps saved there: "
+            f"{', '.join(map(str, sorted(found))) or 'none'})")
+
+
 def _outputs(meta: dict) -> int | None:
     return (meta.get("scalar_head") or {}).get("num_outputs")
 
@@ -77,7 +96,12 @@ def check(kind: str, cfg) -> None:
                               f"not a reward model's")
         reward_meta = meta
     else:
-        if cfg.checkpoint is None and not (Path(cfg.run_dir) / "checkpoints").is_dir():
+        checkpoints = Path(cfg.run_dir) / "checkpoints"
+        saved = critic_checkpoints(checkpoints)
+        if cfg.resume_step is not None and cfg.resume_step not in saved:
+            raise ConfigError(f"resume_step={cfg.resume_step}: "
+                              + no_critic_checkpoint(cfg.resume_step, checkpoints, saved))
+        if cfg.checkpoint is None and not saved:
             raise ConfigError("the critic needs initial weights: pass checkpoint=DIR (a reward, language-model or "
                               "critic checkpoint), or a run_dir with critic checkpoints to resume")
         meta = _checkpoint_meta("checkpoint", cfg.checkpoint) if cfg.checkpoint else None

@@ -1,12 +1,18 @@
 """`aligner serve critic checkpoint=DIR [reward_checkpoint=RM] [server.port=P ...]`: the PPO critic.
 
 Endpoints (`protocol`):
-* `critic_infer`: per-token values [B, S] (plus the co-hosted reward model's rewards);
+* `critic_infer`: per-token values [B, S] (plus the co-hosted reward model's rewards) and the
+  server's seconds for the call's forward;
 * `critic_train`: the clipped value loss on the received returns; the request's rows are cut into
   `trainer.global_batch_size`-row optimizer steps (the last one padded with masked rows), repeated
-  for `trainer.epochs`; replies the mean loss over those steps;
-* `critic_save`: a checkpoint under `<run_dir>/checkpoints/step_<N>` (weights, optimizer, LR
-  schedule); a restarted server resumes from the latest one;
+  for `trainer.epochs`; replies the mean loss over those steps, the fraction of masked tokens whose
+  value was clipped (over all the steps) and the server's seconds;
+* `critic_save` (the actor's `step` N): a checkpoint `<run_dir>/checkpoints/step_<N:06d>` (weights,
+  optimizer, LR schedule; its trainer state records `actor_step` N and the critic's optimizer
+  `updates`), so that every actor checkpoint has the critic's of the same step;
+* `critic_load` (step N): back to the checkpoint saved at actor step N, on every rank; a step never
+  saved is refused (the server serves on). A started server resumes from `resume_step`'s checkpoint
+  when set (a resumed actor's step: the critic may have saved later ones), else from the latest;
 * `reward_model` when `reward_checkpoint` is set: the reward model shares the critic's device
   memory; its weights live on the CPU and are swapped in when needed (it must have the critic's
   architecture, which holds when the critic was initialised from it).
@@ -17,6 +23,7 @@ head starts fresh) or a critic.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +38,13 @@ from aligner.models.heads import ScalarHead, last_token_scores
 from aligner.models.scoring import build_scalar_model, forward_rows, token_values_head
 from aligner.models.training import wrap_for_training
 from aligner.models.weight_swap import CpuWeights
+from aligner.servers import protocol
 from aligner.servers.common import Job, RequestReader, RewardOutput, as_tensors, init_job, load_server_tokenizer, \
     max_length, run_job, split_outputs
-from aligner.servers.config import load_resolved_serve_config
-from aligner.servers.engine import REWARD, SAVE, TRAIN, VALUES
-from aligner.servers.protocol import CRITIC_SAVE, CRITIC_TRAIN, TRAIN_MAX_ROWS, RequestError, check_float_like, \
-    check_tokens, critic_infer_endpoint, reward_endpoint
+from aligner.servers.config import critic_checkpoints, load_resolved_serve_config, no_critic_checkpoint
+from aligner.servers.engine import LOAD, REWARD, SAVE, TRAIN, VALUES
+from aligner.servers.protocol import CRITIC_LOAD, CRITIC_SAVE, CRITIC_TRAIN, TRAIN_MAX_ROWS, RequestError, \
+    check_float_like, check_step, check_tokens, critic_infer_endpoint, reward_endpoint
 from aligner.servers.triton import Binding
 
 log = logging.getLogger(__name__)
@@ -51,14 +59,25 @@ def _backbone(model) -> dict[str, torch.nn.Parameter]:
 
 def value_loss(clip: float):
     """The critic's token loss: PPO's clipped value loss on the returns (`functional.clipped_value_loss`),
-    summed over the masked tokens; count = masked tokens."""
+    summed over the masked tokens; count = masked tokens; report `clipped` = masked tokens whose
+    clipped term was the larger one."""
 
     def loss(values, local):
         token_loss, clipped = F.clipped_value_loss(values[..., 0], local["prev_values"], local["returns"], clip)
         loss = F.masked_sum(token_loss, local["mask"])
-        return loss, local["mask"].sum(), {"loss": loss, "clip_fraction": F.masked_sum(clipped, local["mask"])}
+        return loss, local["mask"].sum(), {"loss": loss, "clipped": F.masked_sum(clipped, local["mask"])}
 
     return loss
+
+
+def train_summary(step_sums: list[dict]) -> tuple[float, float]:
+    """(loss_mean, clip_fraction) of one critic_train request from its optimizer steps' summed
+    reports (`value_loss`'s, summed over the data-parallel ranks): loss_mean is the mean over the
+    steps of each step's loss per masked token; clip_fraction is the clipped masked tokens over all
+    the masked tokens of all the steps (a token-weighted fraction, not a mean of the steps')."""
+    losses = [s.get("loss", 0.0) / max(s.get("count", 0.0), 1.0) for s in step_sums]
+    tokens = sum(s.get("count", 0.0) for s in step_sums)
+    return float(np.mean(losses)), sum(s.get("clipped", 0.0) for s in step_sums) / max(tokens, 1.0)
 
 
 class Critic:
@@ -67,8 +86,10 @@ class Critic:
     def __init__(self, cfg):
         self.cfg = cfg
         self.checkpoints = Path(cfg.run_dir) / "checkpoints"
-        latest = checkpoint.latest_checkpoint(self.checkpoints)
-        source = latest or cfg.checkpoint
+        saved = critic_checkpoints(self.checkpoints)
+        step = cfg.resume_step if cfg.resume_step is not None else max(saved, default=None)
+        resume = self.checkpoint_for(step) if step is not None else None
+        source = resume or cfg.checkpoint
         if source is None:
             raise ValueError("the critic needs initial weights: set checkpoint=DIR (a reward, language-model or "
                              f"critic checkpoint), or resume from {self.checkpoints}")
@@ -80,12 +101,9 @@ class Critic:
         self.reward = None
         if cfg.reward_checkpoint:
             self._stash_reward_model(cfg.reward_checkpoint, source)
-        self.step = 0
-        if latest is not None:
-            state, _ = checkpoint.load_training_state(latest, self.model, self.optimizer)
-            self.step = state["step"]
-            self.scheduler.load_state_dict(state["scheduler"])
-            log.info("critic resumed from %s at step %d", latest, self.step)
+        self.updates = 0  # optimizer steps taken, over the critic's whole life
+        if resume is not None:
+            self._load_state(resume)
         else:
             checkpoint.load_into_scalar_model(cfg.checkpoint, self.model, 1)
             log.info("critic initialised from %s", cfg.checkpoint)
@@ -130,6 +148,22 @@ class Critic:
             self.inner.output_layer = head
         self.resident = which
 
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    def checkpoint_for(self, step: int) -> Path:
+        """The checkpoint saved at actor step `step`; RequestError naming the steps there are if none."""
+        saved = critic_checkpoints(self.checkpoints)
+        if step not in saved:
+            raise RequestError(no_critic_checkpoint(step, self.checkpoints, saved))
+        return saved[step]
+
+    def _load_state(self, path: Path) -> None:
+        state, _ = checkpoint.load_training_state(path, self.model, self.optimizer)
+        # megatron's scheduler adds the saved step count to its own: start it from 0 (a live critic_load)
+        self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.updates = state["updates"]
+        log.info("critic loaded %s (actor step %d, %d critic updates)", path, state["actor_step"], self.updates)
+
     # ---- collective operations ------------------------------------------------------------------------
     def values(self, tokens, lengths):
         self._use("critic")
@@ -149,14 +183,15 @@ class Critic:
         values = self.values(tokens, lengths)
         return values, (self.rewards(tokens, lengths) if self.reward else None)
 
-    def train(self, batch: dict) -> float:
-        """Optimizer steps on `batch` (tokens, returns, prev_values, mask); the mean loss per step."""
+    def train(self, batch: dict) -> tuple[float, float]:
+        """Optimizer steps on `batch` (tokens, returns, prev_values, mask); `train_summary`'s
+        (loss_mean, clip_fraction)."""
         self._use("critic")
         t = self.cfg.trainer
         rows, width = batch["tokens"].shape
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         per_rank = t.global_batch_size // dp
-        losses = []
+        step_sums = []
         self.model.train()
         for _ in range(t.epochs):
             for start in range(0, rows, t.global_batch_size):
@@ -167,23 +202,28 @@ class Critic:
                 mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in chunk.items()}
                 micro = [{k: v[i:i + t.micro_batch_size] for k, v in mine.items()}
                          for i in range(0, per_rank, t.micro_batch_size)]
-                sums = forward_backward(self.model, self.optimizer, self.train_step, micro, width)
+                step_sums.append(forward_backward(self.model, self.optimizer, self.train_step, micro, width))
                 optimizer_step(self.optimizer, self.scheduler)
-                self.step += 1
-                losses.append(sums.get("loss", 0.0) / max(sums.get("count", 0.0), 1.0))
+                self.updates += 1
         self.model.eval()
-        return float(np.mean(losses))
+        return train_summary(step_sums)
 
-    def save(self) -> int:
+    def save(self, actor_step: int) -> None:
+        """The checkpoint of the actor's step `actor_step` (replacing one saved at that step before)."""
         self._use("critic")
-        state = {"step": self.step, "scheduler": self.scheduler.state_dict()}
-        path = checkpoint.save_checkpoint(self.checkpoints / f"step_{self.step:06d}", self.model, self.model_cfg,
+        state = {"actor_step": actor_step, "updates": self.updates, "scheduler": self.scheduler.state_dict()}
+        path = checkpoint.save_checkpoint(self.checkpoints / f"step_{actor_step:06d}", self.model, self.model_cfg,
                                           self.vocab_size, optimizer=self.optimizer, trainer_state=state, head="value",
                                           extra_meta={"scalar_head": {"num_outputs": 1, "attributes": None,
                                                                       "loss": "clipped_value"}})
         if torch.distributed.get_rank() == 0:
-            log.info("saved critic checkpoint %s", path)
-        return self.step
+            log.info("saved critic checkpoint %s (%d critic updates)", path, self.updates)
+
+    def load(self, actor_step: int) -> None:
+        """Weights, optimizer, LR schedule and update count of the checkpoint saved at `actor_step`."""
+        path = self.checkpoint_for(actor_step)
+        self._use("critic")
+        self._load_state(path)
 
 
 def main(argv: list[str]) -> None:
@@ -198,7 +238,8 @@ def run(cfg) -> None:
         VALUES: lambda t: critic.infer(t["tokens"], t["lengths"]),
         REWARD: lambda t: critic.rewards(t["tokens"], t["lengths"]),
         TRAIN: lambda t: critic.train(t),
-        SAVE: lambda t: critic.save(),
+        SAVE: lambda t: critic.save(int(t["step"][0])),
+        LOAD: lambda t: critic.load(int(t["step"][0])),
     }
 
     def bindings():
@@ -210,13 +251,17 @@ def run(cfg) -> None:
         def infer(requests):
             tokens, lengths, counts = reader.token_batch(requests)
             with job.step(VALUES, as_tensors(tokens=tokens, lengths=lengths)) as sent:
+                start = time.perf_counter()
                 values, rewards = critic.infer(sent["tokens"], sent["lengths"])
-            outputs = {"values": values.cpu().numpy().astype(np.float32)}
+                values = values.cpu().numpy().astype(np.float32)
+                seconds = time.perf_counter() - start
+            outputs = {protocol.VALUES.name: values,
+                       protocol.SECONDS.name: np.full((len(values), 1), seconds, dtype=np.float32)}
             if rewards is not None:
                 outputs["rewards"] = output(rewards.cpu().numpy())
             # rows keep the width of the merged call; each request gets back its own width
-            return [{k: (v[:, :requests[i]["tokens"].shape[1]] if k == "values" else v) for k, v in out.items()}
-                    for i, out in enumerate(split_outputs(outputs, counts))]
+            return [{k: (v[:, :requests[i]["tokens"].shape[1]] if k == protocol.VALUES.name else v)
+                     for k, v in out.items()} for i, out in enumerate(split_outputs(outputs, counts))]
 
         def reward_infer(requests):
             tokens, lengths, counts = reader.token_batch(requests)
@@ -238,16 +283,31 @@ def run(cfg) -> None:
             if not batch["mask"].any():
                 raise RequestError("'mask' selects no token: nothing to train on")
             with job.step(TRAIN, as_tensors(**batch)) as sent:
-                loss = critic.train(sent)
-            return [{"loss_mean": np.array([loss], dtype=np.float32)}]
+                start = time.perf_counter()
+                loss, clip_fraction = critic.train(sent)
+                seconds = time.perf_counter() - start
+            return [{protocol.LOSS_MEAN.name: np.array([loss], dtype=np.float32),
+                     protocol.CLIP_FRACTION.name: np.array([clip_fraction], dtype=np.float32),
+                     protocol.SECONDS.name: np.array([seconds], dtype=np.float32)}]
 
         def save(requests):
-            with job.step(SAVE):
-                step = critic.save()
-            return [{"step": np.array([step], dtype=np.int64)} for _ in requests]
+            (request,) = requests
+            step = check_step(request)
+            with job.step(SAVE, as_tensors(step=np.array([step], dtype=np.int64))):
+                critic.save(step)
+            return [{protocol.STEP.name: np.array([step], dtype=np.int64)}]
+
+        def load(requests):
+            (request,) = requests
+            step = check_step(request)
+            critic.checkpoint_for(step)  # a step never saved fails this request before any rank acts
+            with job.step(LOAD, as_tensors(step=np.array([step], dtype=np.int64))):
+                critic.load(step)
+            return [{protocol.STEP.name: np.array([step], dtype=np.int64)}]
 
         result = [Binding(critic_infer_endpoint(output.num_outputs if output else 0), infer, cfg.server.max_batch_size),
-                  Binding(CRITIC_TRAIN, train, TRAIN_MAX_ROWS), Binding(CRITIC_SAVE, save, 1)]
+                  Binding(CRITIC_TRAIN, train, TRAIN_MAX_ROWS), Binding(CRITIC_SAVE, save, 1),
+                  Binding(CRITIC_LOAD, load, 1)]
         if output is not None:
             result.append(Binding(reward_endpoint(output.num_outputs), reward_infer, cfg.server.max_batch_size))
         return result

@@ -19,7 +19,7 @@ from aligner.runtime.distributed import device
 
 log = logging.getLogger(__name__)
 
-STOP, REWARD, VALUES, TRAIN, SAVE = range(5)  # broadcast commands
+STOP, REWARD, VALUES, TRAIN, SAVE, LOAD = range(6)  # broadcast commands
 
 
 class Broadcaster:

@@ -12,9 +12,14 @@ request = one call: training, saving) declare their full shapes. Conventions:
 * Critic `values` float32 [B, S]: values[b, t] is the value of the prefix ending at token t; it is 0
   at t >= sequence_lengths[b]. `critic_train` takes `returns`, `prev_values` and `mask` aligned the
   same way; positions with mask 0 do not count.
+* Critic checkpoints are named by the actor's step: `critic_save` and `critic_load` take `step`
+  int64 [1], the actor's step, so that an actor checkpoint at step N has a critic checkpoint for N.
+* `seconds` (float32) is the server's own wall time for the work of the call that carried the request
+  (requests the dynamic batcher merged into one call each report that call's time).
 NeMo-Aligner's names are kept (reward_model / critic_infer / critic_train / critic_save, tokens,
-sequence_lengths, sentences, rewards, values, returns, prev_values, mask, loss_mean, dummy_var), so
-its clients can talk to these servers.
+sequence_lengths, sentences, rewards, values, returns, prev_values, mask, loss_mean), so its clients
+can talk to these servers, except that `critic_save` takes the actor's `step` where NeMo-Aligner
+sends a `dummy_var`.
 """
 from __future__ import annotations
 
@@ -67,21 +72,31 @@ def reward_endpoint(num_outputs: int = 1) -> Endpoint:
     return Endpoint("reward_model", _TEXT_OR_TOKENS, (TensorSpec("rewards", np.float32, (num_outputs,)),))
 
 
+# The critic's tensors besides tokens/sequence_lengths/rewards; not batched ones have full shapes.
+VALUES = TensorSpec("values", np.float32, (-1,))
+SECONDS = TensorSpec("seconds", np.float32, (1,))
+RETURNS = TensorSpec("returns", np.float32, (-1, -1))
+PREV_VALUES = TensorSpec("prev_values", np.float32, (-1, -1))
+MASK = TensorSpec("mask", np.float32, (-1, -1))
+LOSS_MEAN = TensorSpec("loss_mean", np.float32, (1,))  # the mean over optimizer steps of each step's token mean
+CLIP_FRACTION = TensorSpec("clip_fraction", np.float32, (1,))  # clipped / masked tokens over all the steps
+STEP = TensorSpec("step", np.int64, (1,))  # the actor's step
+
+
 def critic_infer_endpoint(reward_outputs: int = 0) -> Endpoint:
-    """`critic_infer`: values [B, S]; with a co-hosted reward model also its rewards [B, A]."""
-    outputs = (TensorSpec("values", np.float32, (-1,)),)
+    """`critic_infer`: values [B, S] and seconds [B, 1]; with a co-hosted reward model also its
+    rewards [B, A]."""
+    outputs = (VALUES, SECONDS)
     if reward_outputs:
         outputs += (TensorSpec("rewards", np.float32, (reward_outputs,)),)
     return Endpoint("critic_infer", (TOKENS, LENGTHS), outputs)
 
 
-CRITIC_TRAIN = Endpoint(
-    "critic_train",
-    (TensorSpec("tokens", np.int64, (-1, -1)), TensorSpec("returns", np.float32, (-1, -1)),
-     TensorSpec("prev_values", np.float32, (-1, -1)), TensorSpec("mask", np.float32, (-1, -1))),
-    (TensorSpec("loss_mean", np.float32, (1,)),), batched=False, idempotent=False)
-CRITIC_SAVE = Endpoint("critic_save", (TensorSpec("dummy_var", np.int64, (1,)),),
-                       (TensorSpec("step", np.int64, (1,)),), batched=False)
+CRITIC_TRAIN = Endpoint("critic_train", (TensorSpec("tokens", np.int64, (-1, -1)), RETURNS, PREV_VALUES, MASK),
+                        (LOSS_MEAN, CLIP_FRACTION, SECONDS), batched=False, idempotent=False)
+# Saving or loading the same step twice leaves the same state: both may be resent.
+CRITIC_SAVE = Endpoint("critic_save", (STEP,), (STEP,), batched=False)
+CRITIC_LOAD = Endpoint("critic_load", (STEP,), (STEP,), batched=False)
 VERIFIER = Endpoint("verifier", (*_TEXT_OR_TOKENS, ANSWERS), (TensorSpec("rewards", np.float32, (1,)),))
 
 
@@ -157,6 +172,14 @@ def check_float_like(inputs: dict, spec: TensorSpec, shape: tuple[int, int]) -> 
     if not np.isfinite(value).all():
         raise RequestError(f"'{spec.name}' has non-finite values")
     return value
+
+
+def check_step(inputs: dict) -> int:
+    """`step` int64 [1] (critic_save / critic_load) -> the step, which must be >= 0."""
+    value = _array(inputs, STEP, 1)
+    if value.shape != (1,) or value[0] < 0:
+        raise RequestError(f"'step' must be one actor step >= 0, shape [1], got {value.tolist()}")
+    return int(value[0])
 
 
 def pad_token_rows(rows: list, pad_to_multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
