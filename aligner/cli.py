@@ -22,7 +22,7 @@ TRAINERS = {"sft": "aligner.algorithms.sft", "rm": "aligner.algorithms.reward_mo
             "dpo": "aligner.algorithms.dpo", "orpo": "aligner.algorithms.orpo", "simpo": "aligner.algorithms.simpo",
             "kto": "aligner.algorithms.kto", "steerlm": "aligner.algorithms.steerlm",
             "spin": "aligner.algorithms.spin", "grpo": "aligner.algorithms.grpo",
-            "reinforce": "aligner.algorithms.grpo"}
+            "reinforce": "aligner.algorithms.grpo", "ppo": "aligner.algorithms.ppo"}
 
 
 def _under_external_launcher() -> bool:
@@ -87,6 +87,7 @@ def _check_rl_inputs(cfg) -> None:
     from aligner.rewards.functions import resolve_reward_functions
 
     resolve_reward_functions(list(cfg.reward.functions))
+    resolve_reward_functions(list(cfg.reward.val_functions))
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     for path in (cfg.data.train_path, cfg.data.val_path):
         if path:

@@ -288,3 +288,13 @@ def test_overlong_penalty_dapo():
     # free up to 16 - 4 = 12 tokens, then linear to -0.5 at 16
     assert torch.allclose(penalty, torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5]))
     assert F.overlong_penalty(lengths, 16, 0).abs().sum() == 0
+
+
+def test_adaptive_kl_coef_by_hand():
+    from aligner.algorithms.functional import adaptive_kl_coef
+
+    # kl 0.15 against a target of 0.1: error clip(0.5) = 0.2 -> x (1 + 0.2 * 64 / 1000) = x 1.0128
+    assert adaptive_kl_coef(0.05, 0.15, 0.1, 1000, 64) == pytest.approx(0.05 * 1.0128)
+    # kl 0.09: error -0.1 -> x (1 - 0.1 * 64 / 1000) = x 0.9936
+    assert adaptive_kl_coef(0.05, 0.09, 0.1, 1000, 64) == pytest.approx(0.05 * 0.9936)
+    assert adaptive_kl_coef(0.05, 0.1, 0.1, 1000, 64) == pytest.approx(0.05)  # on target: unchanged

@@ -371,6 +371,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 @torch.no_grad()
+def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n_samples: int) -> float:
+    """Ziegler et al. 2019's adaptive KL controller (also OpenRLHF's and TRL's PPO): with the step's KL
+    (per sample, summed over its tokens) and e = clip(kl / target - 1, -0.2, 0.2), the next coefficient
+    is coef x (1 + e x n_samples / horizon): it grows while the policy drifts past the target, shrinks below."""
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_samples / horizon)
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """1 - Var[returns - values] / Var[returns] over the masked tokens (population variances): 1 for
     a perfect critic, 0 for one that predicts the mean, negative for worse. 0.0 when Var[returns] is

@@ -50,12 +50,16 @@ def run(cfg) -> None:
         scorer = RewardScorer(resolve_reward_functions(list(r.functions)),
                               list(r.weights) if r.weights is not None else None, workers=r.workers, url=r.url,
                               remote_timeout_s=r.timeout_s, tokenizer=tokenizer)
+    val_scorer = None
+    if dist.get_rank() == 0 and cfg.reward.val_functions:
+        val_scorer = RewardScorer(resolve_reward_functions(list(cfg.reward.val_functions)), workers=1)
     flat = packed and ps.get_context_parallel_world_size() == 1 and all_fused(unwrap(model))
     trainer = RLTrainer(cfg, model, optimizer, scheduler, prompts, val, vocab_size, tokenizer, engine, scorer,
-                        reference, packing={"packed": packed, "capacity": None, "flat": flat})
+                        reference, packing={"packed": packed, "capacity": None, "flat": flat}, val_scorer=val_scorer)
     try:
         trainer.fit()
     finally:
-        if scorer is not None:
-            scorer.close()
+        for s in (scorer, val_scorer):
+            if s is not None:
+                s.close()
     distributed.shutdown()

@@ -60,12 +60,14 @@ class RLTrainer(Trainer):
     validate_at_start = True
 
     def __init__(self, cfg, model, optimizer, scheduler, prompts, val_prompts, vocab_size: int, tokenizer, engine,
-                 scorer, reference, packing: dict):
+                 scorer, reference, packing: dict, val_scorer=None):
         """prompts: `aligner.data.prompts.Prompt`s; scorer: a `RewardScorer` on global rank 0, None
-        elsewhere; reference: an `algorithms.reference.Reference`, or None without a KL term."""
+        elsewhere; reference: an `algorithms.reference.Reference`, or None without a KL term;
+        val_scorer: a `RewardScorer` of `reward.val_functions` (rank 0), scored on validation only."""
         super().__init__(cfg, model, optimizer, scheduler, None, prompts, val_prompts, None, vocab_size, tokenizer)
         a, s = cfg.algorithm, cfg.sampling
         self.a, self.engine, self.scorer, self.reference, self.packing = a, engine, scorer, reference, packing
+        self.val_scorer = val_scorer
         self.params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                      max_new_tokens=s.max_new_tokens, stop_strings=tuple(s.stop_strings),
                                      seed=cfg.trainer.seed)
@@ -267,11 +269,27 @@ class RLTrainer(Trainer):
         """Greedy responses to every validation prompt: val/reward/mean over the scored ones."""
         greedy = self.params.replace(greedy=True)
         samples = self.generate(list(self.val_data), greedy, generations=1, first_id=0)
-        self.apply_scores(samples, self.submit_scores(samples))
+        self.score_validation(samples)
         scores = [s.score for s in samples if s.score is not None]
-        return {"val/reward/mean": sum(scores) / len(scores) if scores else float("nan"),
-                "val/fraction/unscored": 1 - len(scores) / len(samples),
-                "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples)}
+        metrics = {"val/reward/mean": sum(scores) / len(scores) if scores else float("nan"),
+                   "val/fraction/unscored": 1 - len(scores) / len(samples),
+                   "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples)}
+        metrics.update(self.validation_functions(samples))
+        return metrics
+
+    def score_validation(self, samples: list[Sample]) -> None:
+        self.apply_scores(samples, self.submit_scores(samples))
+
+    def validation_functions(self, samples: list[Sample]) -> dict:
+        """val/<name>/mean of each of `reward.val_functions` over the validation samples (every rank)."""
+        box = [{}]
+        if self.val_scorer is not None:
+            texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+            box = [self.val_scorer.submit_each([s.prompt.text for s in samples], texts,
+                                               [s.prompt.fields for s in samples]).result()]
+        dist.broadcast_object_list(box, src=0)
+        return {f"val/{name}/mean": sum(v for v in values if v is not None) / max(1, sum(v is not None for v in values))
+                for name, values in box[0].items()}
 
     def write_rollouts(self, samples: list[Sample]) -> None:
         if not self.is_logger or not self.a.log_rollouts:

@@ -1,7 +1,7 @@
 """Every command's config: the YAML under conf/ and the dataclass schema it is checked against."""
 from __future__ import annotations
 
-from aligner.config.rl_schema import RLRunConfig
+from aligner.config.rl_schema import PPORunConfig, RLRunConfig
 from aligner.config.schema import (CriticServeConfig, DPORunConfig, KTORunConfig, ORPORunConfig, RewardServeConfig,
                                    RMRunConfig, SFTRunConfig, SimPORunConfig, SPINRunConfig, SteerLMRunConfig,
                                    VerifierServeConfig)
@@ -12,4 +12,5 @@ COMMANDS = {"sft": ("sft", SFTRunConfig), "rm": ("rm", RMRunConfig),
             "serve_verifier": ("serve_verifier", VerifierServeConfig),
             "dpo": ("dpo", DPORunConfig), "orpo": ("orpo", ORPORunConfig), "simpo": ("simpo", SimPORunConfig),
             "kto": ("kto", KTORunConfig), "steerlm": ("steerlm", SteerLMRunConfig),
-            "spin": ("spin", SPINRunConfig), "grpo": ("grpo", RLRunConfig), "reinforce": ("reinforce", RLRunConfig)}
+            "spin": ("spin", SPINRunConfig), "grpo": ("grpo", RLRunConfig), "reinforce": ("reinforce", RLRunConfig),
+            "ppo": ("ppo", PPORunConfig)}

@@ -1,4 +1,4 @@
-"""Schemas of the online-RL commands (`aligner train grpo`, `aligner train reinforce`)."""
+"""Schemas of the online-RL commands (`aligner train grpo`, `aligner train reinforce`, `aligner train ppo`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,7 +7,8 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from aligner.config.schema import ReferenceConfig, TrainRunConfig
+from aligner.config.schema import (CriticTrainConfig, LauncherConfig, OptimConfig, ReferenceConfig,
+                                   ServeParallelConfig, TrainRunConfig)
 
 
 class PromptOverlong(StrEnum):
@@ -33,6 +34,7 @@ class AdvantageEstimator(StrEnum):
     rloo = "rloo"
     reinforce_pp = "reinforce_pp"
     reinforce_pp_baseline = "reinforce_pp_baseline"
+    gae = "gae"  # PPO: GAE(algorithm.gamma, algorithm.lam) on the critic's values
 
 
 class KLEstimator(StrEnum):
@@ -76,8 +78,10 @@ class DecodeMode(StrEnum):
 @dataclass
 class KLConfig:
     estimator: KLEstimator = KLEstimator.k3
-    coef: float = 0.01
+    coef: float = 0.01  # the fixed coefficient, or the adaptive controller's first one
     mode: KLMode = KLMode.loss
+    target: Optional[float] = None  # adaptive coefficient (Ziegler et al. 2019) aiming at this KL; None = fixed
+    horizon: int = 10000  # the adaptive controller's horizon, in samples
 
 
 @dataclass
@@ -145,6 +149,8 @@ class RewardConfig:
     functions: list[str] = field(default_factory=list)  # builtin names or package.module:function
     weights: Optional[list[float]] = None  # one per function; None = 1.0 each
     url: Optional[str] = None  # host:port of an aligner reward-model or verifier server (added with weight 1)
+    checkpoint: Optional[str] = None  # PPO: the reward model its embedded service co-hosts with the critic
+    val_functions: list[str] = field(default_factory=list)  # scored on validation only: val/<name>/mean each
     workers: int = 4  # worker processes calling the reward functions (aligner.rewards.scoring)
     timeout_s: float = 60.0  # remote scoring
 
@@ -159,3 +165,47 @@ class RLRunConfig(TrainRunConfig):
     generation: RLGenerationConfig = field(default_factory=RLGenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
 
+
+
+# ---- PPO (`aligner train ppo`, algorithms/ppo_trainer.py) ---------------------------------------------------
+@dataclass
+class ScoreConfig:
+    """What PPO does to the reward model's scores before they enter the token rewards."""
+
+    standardize: bool = False  # (score - step mean) / step std over the step's scored samples
+    clip: Optional[float] = None  # then clamp into [-clip, clip]
+
+
+@dataclass
+class PPOAlgorithmConfig(RLAlgorithmConfig):
+    advantage: AdvantageEstimator = AdvantageEstimator.gae
+    num_generations: int = 1
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True  # global masked mean / variance over every data-parallel rank
+    critic_warmup_steps: int = 0  # the first steps train only the critic (rollouts, no actor update)
+    mask_truncated: bool = False  # samples that did not end (cut at max_new_tokens) are left out of learning
+    scores: ScoreConfig = field(default_factory=ScoreConfig)
+    kl: KLConfig = field(default_factory=lambda: KLConfig(estimator=KLEstimator.k1, coef=0.02, mode=KLMode.reward))
+
+
+@dataclass
+class PPOCriticConfig:
+    """The critic service: started by the trainer on loopback ports (embedded), or reached at `url`."""
+
+    url: Optional[str] = None  # host:port of a running `aligner serve critic`; None = embedded
+    checkpoint: Optional[str] = None  # its initial weights; None = reward.checkpoint (NeMo-Aligner's choice)
+    timeout_s: float = 300.0  # a request is retried with backoff until this deadline, then the run stops (exit 75)
+    startup_timeout_s: float = 600.0  # the embedded service must be ready within this
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)  # its own ranks
+    parallel: ServeParallelConfig = field(default_factory=ServeParallelConfig)  # its own layout
+    trainer: CriticTrainConfig = field(default_factory=CriticTrainConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=0,
+                                                                     weight_decay=0.0))
+
+
+@dataclass
+class PPORunConfig(RLRunConfig):
+    run_dir: str = "runs/ppo"
+    algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)  # type: ignore[assignment]
+    critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)

@@ -104,7 +104,17 @@ def validate_rl(cfg, dp: int) -> None:
     a, t, s = cfg.algorithm, cfg.trainer, cfg.sampling
     if a.num_generations < 1 or a.prompts_per_step < 1 or a.ppo_epochs < 1:
         raise ConfigError("algorithm.num_generations, algorithm.prompts_per_step and algorithm.ppo_epochs must be >= 1")
-    if a.num_generations < 2 and a.advantage not in ("reinforce_pp",):
+    ppo = "critic" in cfg
+    if ppo != (a.advantage == "gae"):
+        raise ConfigError("algorithm.advantage=gae needs a critic: use `aligner train ppo`" if not ppo else
+                          f"aligner train ppo takes its advantages from the critic (algorithm.advantage=gae), not "
+                          f"{a.advantage}")
+    if ppo:
+        validate_ppo(cfg)
+    elif cfg.reward.checkpoint:
+        raise ConfigError("reward.checkpoint is served by PPO's critic service; for GRPO serve the reward model "
+                          "(`aligner serve reward checkpoint=...`) and set reward.url=host:port")
+    if a.num_generations < 2 and a.advantage not in ("reinforce_pp", "gae"):
         raise ConfigError(f"algorithm.advantage={a.advantage} compares the samples of a prompt's group: set "
                           f"algorithm.num_generations >= 2 (or use algorithm.advantage=reinforce_pp)")
     samples = a.prompts_per_step * a.num_generations
@@ -139,12 +149,55 @@ def validate_rl(cfg, dp: int) -> None:
     if a.baseline_ended_only and a.advantage not in ("grpo", "dr_grpo", "rloo"):
         raise ConfigError("algorithm.baseline_ended_only applies to the group baselines grpo, dr_grpo and rloo")
     r = cfg.reward
-    if not r.functions and not r.url:
+    if not (r.functions or r.url or r.get("checkpoint") or (ppo and cfg.critic.url)):
         raise ConfigError("no reward: set reward.functions=[name or package.module:function, ...] and/or "
-                          "reward.url=host:port of a reward or verifier server")
+                          "reward.url=host:port of a reward or verifier server"
+                          + (" or reward.checkpoint=RM_DIR (served with the critic)" if ppo else ""))
     if r.weights is not None and len(r.weights) != len(r.functions):
         raise ConfigError(f"reward.weights has {len(r.weights)} entries for {len(r.functions)} reward.functions")
     if r.workers < 1:
         raise ConfigError("reward.workers must be >= 1")
     if cfg.generation.batch_size < 1:
         raise ConfigError("generation.batch_size must be >= 1")
+
+
+def validate_ppo(cfg) -> None:
+    """`aligner train ppo`: the critic service and PPO's own options (on top of validate_rl)."""
+    a, c = cfg.algorithm, cfg.critic
+    if a.dynamic_sampling.enabled:
+        raise ConfigError("algorithm.dynamic_sampling drops groups of equal rewards (GRPO); PPO has no groups")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
+        raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {a.gamma} and {a.lam}")
+    if a.critic_warmup_steps < 0 or a.critic_warmup_steps >= cfg.trainer.max_steps:
+        raise ConfigError(f"algorithm.critic_warmup_steps={a.critic_warmup_steps} must be in [0, trainer.max_steps="
+                          f"{cfg.trainer.max_steps})")
+    if a.kl.mode == "loss":
+        raise ConfigError("PPO puts the KL into the token rewards (algorithm.kl.mode=reward) or leaves it out (none)")
+    if a.scores.clip is not None and a.scores.clip <= 0:
+        raise ConfigError(f"algorithm.scores.clip must be > 0, got {a.scores.clip}")
+    if c.timeout_s <= 0 or c.startup_timeout_s <= 0:
+        raise ConfigError("critic.timeout_s and critic.startup_timeout_s must be > 0")
+    if c.url is None:
+        if c.checkpoint is None and cfg.reward.checkpoint is None:
+            raise ConfigError("the embedded critic needs initial weights: set reward.checkpoint=RM_DIR (the critic "
+                              "starts from the reward model) or critic.checkpoint=DIR")
+        mp = c.parallel.tensor_model_parallel_size * c.parallel.pipeline_model_parallel_size
+        if mp < 1 or c.launcher.nproc_per_node % mp:
+            raise ConfigError(f"critic.launcher.nproc_per_node={c.launcher.nproc_per_node} is not a multiple of "
+                              f"critic.parallel tensor x pipeline_model_parallel_size = {mp}")
+        heads = cfg.model.num_attention_heads
+        if heads % c.parallel.tensor_model_parallel_size:
+            raise ConfigError(f"critic.parallel.tensor_model_parallel_size={c.parallel.tensor_model_parallel_size} "
+                              f"does not divide the model's {heads} attention heads")
+    else:
+        _host_port("critic.url", c.url)
+        if cfg.reward.checkpoint:
+            raise ConfigError("reward.checkpoint starts a reward model in the embedded service; with critic.url the "
+                              "service runs already: leave reward.checkpoint unset (its reward_model endpoint is "
+                              "used) or point reward.url at a separate reward server")
+
+
+def _host_port(key: str, value: str) -> None:
+    host, _, port = str(value).rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{key} must be host:port, got {value!r}")

@@ -105,7 +105,8 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
             _stop(procs)
             raise RankFailed(_failure_report(failed, procs[failed].returncode, log_dir))
         if any(p.returncode == EXIT_PREEMPTED for p in procs):
-            raise RanksPreempted(f"{nproc} ranks stopped at a checkpoint on SIGUSR1; resume with the same run_dir")
+            why = "on SIGUSR1" if stop_requested() else "(exit 75; rank 0 said why above)"
+            raise RanksPreempted(f"{nproc} ranks stopped at a checkpoint {why}; resume with the same run_dir")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -168,10 +168,30 @@ class RewardScorer:
             return [(a, b, self._pool.submit(score_rows, self.functions, prompts[a:b], responses[a:b], fields[a:b]))
                     for a, b in bounds]
 
+    def submit_each(self, prompts: list[str], responses: list[str], fields: list[dict]) -> Future:
+        """Future of each function's own (unweighted) rewards: `{name: [float | None per sample]}`; the
+        reward server, if any, is not asked."""
+        chunks = self._submit_chunks(list(prompts), list(responses), list(fields)) if self._pool is not None else []
+
+        def gather():
+            rows = self._rows(len(prompts), chunks)
+            return {function_name(fn): [row[k] for row in rows] for k, fn in enumerate(self.functions)}
+
+        return self._collector.submit(gather)
+
     def _gather(self, prompts, responses, fields, chunks) -> list[float | None]:
         """On the collector thread: the server's rewards (while the workers run), then the weighted sums."""
         remote = self._remote.rewards(prompts, responses, fields) if self._remote is not None else None
-        rows, problems = [[] for _ in prompts], []
+        totals = []
+        for i, row in enumerate(self._rows(len(prompts), chunks)):
+            terms = [None if v is None else w * v for w, v in zip(self.weights, row)]
+            terms += [remote[i]] if remote is not None else []
+            totals.append(None if any(t is None for t in terms) else float(sum(terms)))
+        return totals
+
+    def _rows(self, n: int, chunks) -> list[list[float | None]]:
+        """Each sample's rewards, one per function, from the workers' chunks."""
+        rows, problems = [[] for _ in range(n)], []
         for start, stop, future in chunks:
             try:
                 rows[start:stop], chunk_problems = future.result()
@@ -182,12 +202,7 @@ class RewardScorer:
         if problems:
             log.warning("%d reward function call(s) could not score their sample; the first: %s", len(problems),
                         problems[0])
-        totals = []
-        for i, row in enumerate(rows):
-            terms = [None if v is None else w * v for w, v in zip(self.weights, row)]
-            terms += [remote[i]] if remote is not None else []
-            totals.append(None if any(t is None for t in terms) else float(sum(terms)))
-        return totals
+        return rows
 
     def close(self) -> None:
         """Finish the batches in flight, then stop the workers and the server's client."""

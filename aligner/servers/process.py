@@ -33,9 +33,12 @@ class ServerFailed(RuntimeError):
 
 def free_port_block(host: str = "127.0.0.1", n: int = 3, low: int = 20000, high: int = 32000) -> int:
     """A base port p with p..p+n-1 free (HTTP, gRPC, metrics), below Linux's ephemeral range so that
-    no outgoing connection takes one before the server binds it. Best effort: bind-checked now."""
+    no outgoing connection takes one before the server binds it. Best effort: bind-checked now. Drawn
+    from the OS's entropy, not `random`'s global state: a trainer seeds that, and two runs of one seed
+    would otherwise pick the same ports."""
+    draw = random.SystemRandom()
     for _ in range(500):
-        base = random.randrange(low, high - n)
+        base = draw.randrange(low, high - n)
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:

@@ -1,0 +1,256 @@
+"""`aligner train ppo` (conf/ppo.yaml): one rank of the PPO loop (`ppo_trainer.py`) with its parts, and
+the critic service it talks to.
+
+The service is `aligner serve critic` (the critic, trained by `critic_train`, co-hosting the reward model
+of `reward.checkpoint`). With no `critic.url`, global rank 0 starts it as a child process group on free
+loopback ports with its own ranks and layout (`critic.launcher`, `critic.parallel`), waits for it with a
+deadline and stops it at the end, on error and on Ctrl-C; on resume it is started from the critic
+checkpoint of the actor's step. With `critic.url` it connects to a running service (its `reward_model`
+endpoint scores unless `reward.url` names a separate reward server) and tells it to load that step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from aligner.algorithms.preference_trainer import packing_enabled
+from aligner.algorithms.ppo_trainer import PPOTrainer
+from aligner.algorithms.reference import Reference
+from aligner.config import load_resolved
+from aligner.data.prompts import load_prompt_dataset
+from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+from aligner.generation.megatron_engine import MegatronEngine
+from aligner.models import checkpoint
+from aligner.models.policy import build_policy
+from aligner.models.sdpa_attention import all_fused
+from aligner.models.training import wrap_for_training
+from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
+from aligner.runtime import distributed
+
+log = logging.getLogger(__name__)
+RETRY_BACKOFF_S = 0.5
+
+
+def main(argv: list[str]) -> None:
+    """One rank started by the embedded launcher; argv = [resolved config.yaml]."""
+    run(load_resolved(argv[0], "ppo"))
+
+
+def resume_step(run_dir) -> int:
+    """The step of the actor's newest complete checkpoint (0 = a fresh run)."""
+    latest = checkpoint.latest_checkpoint(Path(run_dir) / "checkpoints")
+    return checkpoint.read_metadata(latest)["trainer_state"]["step"] if latest is not None else 0
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, _, port = url.rpartition(":")
+    return host, int(port)
+
+
+def _retries(timeout_s: float) -> int:
+    """Retries whose exponential backoff (RETRY_BACKOFF_S, doubling) spans `timeout_s`."""
+    retries, waited = 0, 0.0
+    while waited < timeout_s:
+        waited += RETRY_BACKOFF_S * 2 ** retries
+        retries += 1
+    return retries
+
+
+class Service:
+    """Global rank 0's side of the critic (+ reward) service: requests as futures, results in the
+    trainer's layout, and `ConnectionError` naming the service when it stops answering in time."""
+
+    def __init__(self, critic_url: str, reward_url: str | None, timeout_s: float, scorer: RewardScorer | None):
+        from aligner.servers.client import CriticClient, RewardClient
+
+        host, port = _host_port(critic_url)
+        retries = _retries(timeout_s)
+        self.where, self.timeout_s, self.scorer = critic_url, timeout_s, scorer
+        self.critic = CriticClient(host, port, timeout_s=timeout_s, train_timeout_s=timeout_s, retries=retries,
+                                   backoff_s=RETRY_BACKOFF_S)
+        self.reward = None
+        if reward_url is not None:
+            rhost, rport = _host_port(reward_url)
+            self.reward = RewardClient(rhost, rport, timeout_s=timeout_s, retries=retries, backoff_s=RETRY_BACKOFF_S)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self.critic.wait_ready(timeout_s)
+        if self.reward is not None:
+            self.reward.wait_ready(timeout_s)
+
+    def lost(self, what: str, error: BaseException | None = None) -> ConnectionError:
+        detail = f" ({type(error).__name__}: {error})" if error is not None else ""
+        return ConnectionError(f"the critic service at {self.where} stopped answering: {what} within "
+                               f"critic.timeout_s={self.timeout_s:g} s{detail}")
+
+    def _result(self, future, what: str):
+        try:
+            return future.result(timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a timeout, or the call's own failure after its retries
+            raise self.lost(what, e) from None
+
+    def submit(self, samples: list, tokenizer, values: bool = True) -> tuple:
+        """(len(samples), then futures of the critic's values, the reward model's scores and the reward
+        functions' scores, each None when not asked for)."""
+        sequences = [s.sequence()[0] for s in samples]
+        functions = None
+        if self.scorer is not None:
+            texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+            functions = self.scorer.submit([s.prompt.text for s in samples], texts, [s.prompt.fields for s in samples])
+        return (len(samples), self.critic.values(sequences) if values else None,
+                self.reward.score(sequences) if self.reward is not None else None, functions)
+
+    def collect(self, pending: list, samples: list) -> tuple[np.ndarray, list, float]:
+        """(values [N, T] per response token, scores with None = unscored, the service's seconds) of the
+        samples whose requests `pending` holds, in order. A sample the service could not answer for is
+        unscored; a service that answers for no sample and is not ready is lost."""
+        width = max(len(s.response_ids) for s in samples)
+        values = np.zeros((len(samples), width), dtype=np.float32)
+        scores, seconds, k = [], 0.0, 0
+        for n, value_future, reward_future, function_future in pending:
+            got = self._result(value_future, "no critic values") if value_future is not None else None
+            rewards = self._result(reward_future, "no rewards") if reward_future is not None else None
+            extra = self._result(function_future, "no reward-function scores") if function_future is not None else None
+            if any(r is not None and not r.scored.any() for r in (got, rewards)) \
+                    and not self.critic.infer_endpoint.is_ready():
+                raise self.lost("not ready")
+            seconds += got.seconds if got is not None else 0.0
+            for i in range(n):
+                sample, score = samples[k + i], 0.0
+                if got is not None:
+                    result = got.results[i]
+                    start, length = len(sample.prompt.ids) - 1, len(sample.response_ids)
+                    if result.ok:
+                        values[k + i, :length] = result.value[start:start + length]
+                    else:
+                        score = None
+                if rewards is not None and score is not None:
+                    score = float(rewards.values[i, 0]) if rewards.scored[i] else None
+                if extra is not None and score is not None:
+                    score = score + extra[i] if extra[i] is not None else None
+                scores.append(score)
+            k += n
+        return values, scores, seconds
+
+    def train_result(self, future) -> dict:
+        reply = self._result(future, "no critic_train reply")
+        return {"value/loss": float(reply.loss_mean), "value/clip_fraction": float(reply.clip_fraction),
+                "timing/critic_train_server_s": float(reply.seconds)}
+
+    def save(self, step: int) -> None:
+        self._result(self.critic.save(step), f"the critic checkpoint of step {step} was not saved")
+
+    def load(self, step: int) -> None:
+        self._result(self.critic.load(step), f"the critic checkpoint of step {step} was not loaded")
+
+    def close(self) -> None:
+        self.critic.close()
+        if self.reward is not None:
+            self.reward.close()
+        if self.scorer is not None:
+            self.scorer.close()
+
+
+def embedded_overrides(cfg, step: int) -> list[str]:
+    """`aligner serve critic` overrides for the service this run starts (run_dir, port and host are
+    ServerProcess's)."""
+    c = cfg.critic
+    out = [f"checkpoint={c.checkpoint or cfg.reward.checkpoint}", f"tokenizer={cfg.tokenizer.path}",
+           f"launcher.nproc_per_node={c.launcher.nproc_per_node}",
+           f"launcher.threads_per_rank={c.launcher.threads_per_rank}",
+           f"server.max_seq_length={cfg.model.seq_length}"]
+    if cfg.reward.checkpoint:
+        out.append(f"reward_checkpoint={cfg.reward.checkpoint}")
+    if step:
+        out.append(f"resume_step={step}")
+    for group, keys in (("parallel", ("tensor_model_parallel_size", "pipeline_model_parallel_size")),
+                        ("trainer", ("global_batch_size", "micro_batch_size", "epochs", "max_steps", "loss_clip",
+                                     "seed")),
+                        ("optim", ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                                   "clip_grad", "warmup_steps", "scheduler"))):
+        out += [f"{group}.{k}={c[group][k]}" for k in keys]
+    return out
+
+
+@contextlib.contextmanager
+def critic_service(cfg, step: int):
+    """Global rank 0: the connected `Service` (starting the embedded one first when critic.url is unset);
+    stopped and closed on the way out, however the run ends."""
+    from aligner.servers.process import ServerProcess, free_port_block
+
+    c, r = cfg.critic, cfg.reward
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    functions = resolve_reward_functions(list(r.functions))
+    scorer = RewardScorer(functions, list(r.weights) if r.weights is not None else None, workers=r.workers,
+                          tokenizer=tokenizer) if functions else None
+    server = None
+    try:
+        if c.url is None:
+            run_dir = Path(cfg.run_dir) / "critic"
+            if step == 0:
+                _set_aside_stale(run_dir / "checkpoints")
+            server = ServerProcess("critic", embedded_overrides(cfg, step), run_dir, port=free_port_block())
+            started = time.monotonic()
+            server.start().wait_ready(c.startup_timeout_s)
+            log.info("critic service ready at %s:%d in %.1f s (log: %s)", server.host, server.port,
+                     time.monotonic() - started, server.log_path)
+            url = f"{server.host}:{server.port}"
+            reward_url = r.url or (url if r.checkpoint else None)
+        else:
+            url, reward_url = c.url, r.url or c.url
+        service = Service(url, reward_url, c.timeout_s, scorer)
+        try:
+            service.wait_ready(c.startup_timeout_s)
+            if c.url is not None and step:
+                service.load(step)
+            yield service
+        finally:
+            service.close()
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _set_aside_stale(checkpoints: Path) -> None:
+    """A fresh actor run must not meet critic checkpoints of an earlier attempt (a crash between the
+    critic's save and the actor's): move them aside, never delete them."""
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        aside = checkpoints.with_name(f"checkpoints.stale.{int(time.time())}")
+        checkpoints.rename(aside)
+        log.warning("no actor checkpoint, so the critic starts fresh: moved %s to %s", checkpoints, aside)
+
+
+def run(cfg) -> None:
+    """One rank of `aligner train ppo` with a validated config."""
+    m, d, a = cfg.model, cfg.data, cfg.algorithm
+    packed = packing_enabled(cfg)
+    distributed.start_training_rank(cfg)
+    step = resume_step(cfg.run_dir)
+    with contextlib.ExitStack() as stack:
+        service = stack.enter_context(critic_service(cfg, step)) if dist.get_rank() == 0 else None
+        tokenizer = load_tokenizer(cfg.tokenizer.path)
+        vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
+        prompts = load_prompt_dataset(d.train_path, tokenizer, d.max_length, d.overlong)
+        val = load_prompt_dataset(d.val_path, tokenizer, d.max_length, d.overlong) if d.val_path else None
+        model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
+        engine = MegatronEngine(model, m, vocab_size, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                                tokenizer=tokenizer, max_batch_size=cfg.generation.batch_size,
+                                decode=str(cfg.generation.decode))
+        reference = Reference(str(cfg.reference.mode), model, m, vocab_size, m.pretrained) if a.kl.mode != "none" \
+            else None
+        val_scorer = None
+        if dist.get_rank() == 0 and cfg.reward.val_functions:
+            val_scorer = stack.enter_context(contextlib.closing(
+                RewardScorer(resolve_reward_functions(list(cfg.reward.val_functions)), workers=1)))
+        flat = packed and ps.get_context_parallel_world_size() == 1 and all_fused(checkpoint.unwrap(model))
+        trainer = PPOTrainer(cfg, model, optimizer, scheduler, prompts, val, vocab_size, tokenizer, engine, service,
+                             reference, packing={"packed": packed, "capacity": None, "flat": flat},
+                             val_scorer=val_scorer)
+        trainer.fit()
+    distributed.shutdown()
