@@ -168,6 +168,56 @@ def run_aligner(name: str, extra: list[str], paths: dict, out: Path, steps: int,
             "phases": phases, "reward_mean": statistics.fmean(m["reward/mean"] for m in metrics), **load}
 
 
+def _gemm_rate(m: int, k: int, n: int, reps: int = 50) -> float:
+    """FLOP/s of torch's fp32 [m, k] @ [k, n] on this machine now (best of 5 timed batches of `reps`)."""
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    for _ in range(5):
+        a @ b
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n * reps / best
+
+
+def matmul_floor(art: Path, threads: int, prompt_tokens: int, response_tokens: float) -> dict:
+    """The least time a step's work can take on this machine, measured in the same run: the dense matmul
+    FLOPs every implementation of the configuration must spend (generating the responses, one reference
+    forward for the KL, the policy's forward and backward) at the best GEMM rate this core reaches (the
+    step's MLP shape or a large square product). Attention scores, norms, softmax, sampling, the optimizer
+    and all overheads are left out, so no implementation can step faster than this, and TRL's step time
+    over it bounds the ratio any implementation can reach."""
+    import torch
+
+    torch.set_num_threads(threads)
+    cfg = json.loads((art / "policy" / "config.json").read_text())
+    h, ffn, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * h // cfg["num_attention_heads"]
+    per_token = 2 * (layers * (h * (2 * h + 2 * kv) + 3 * h * ffn) + h * vocab)  # forward FLOPs of one token
+    n = RUN["prompts_per_step"] * RUN["num_generations"]
+    tokens = n * (prompt_tokens + response_tokens)  # one sequence pass over the step's samples
+    # generation: every prompt token once (prefill) and every response token but the last (decode);
+    # reference: one forward; policy: forward + backward (2x the forward's FLOPs)
+    flops = {"generate": per_token * n * (prompt_tokens + response_tokens - 1), "reference": per_token * tokens,
+             "train": 3 * per_token * tokens}
+    rate = max(_gemm_rate(int(tokens), h, ffn), _gemm_rate(1024, 1024, 1024))  # the step's MLP shape, or a big one
+    return {"gemm_flops_per_s": rate, "flops": flops, "seconds": {k: v / rate for k, v in flops.items()},
+            "step_s": sum(flops.values()) / rate}
+
+
+def prompt_tokens(art: Path) -> float:
+    """Mean prompt length in tokens of the benchmark's prompts, as aligner tokenizes them."""
+    from aligner.data.prompts import load_prompt_dataset
+    from aligner.data.tokenizer import load_tokenizer
+
+    prompts = load_prompt_dataset(art / "data" / "arith.jsonl", load_tokenizer(art / "tokenizer"), max_length=256)
+    return statistics.fmean(len(p.ids) for p in prompts)
+
+
 def cases() -> dict:
     grpo = ["algorithm.kl.estimator=k3", "algorithm.kl.mode=loss", "algorithm.aggregation=token_mean"]
     return {  # name -> (algorithm, what it is, aligner overrides or None for TRL)
@@ -233,6 +283,19 @@ def report(summary: dict, args) -> None:
         print(f"| {s['algorithm']} | {name} | {s['step_s']:.4f} | {' | '.join(cells)} |")
 
 
+def report_floor(floor: dict, summary: dict) -> None:
+    sec = floor["seconds"]
+    print(f"\nThe floor (matmul_floor): this core's best GEMM rate, measured now: "
+          f"{floor['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s; a step's unavoidable matmuls at that rate take "
+          f"generate {sec['generate']:.4f} + reference {sec['reference']:.4f} + train {sec['train']:.4f} = "
+          f"{floor['step_s']:.4f} s, so no implementation reaches more than TRL / floor:")
+    for name, s in summary.items():
+        if name.startswith("trl_"):
+            best = s["cpu_step_s"] / floor["step_s"]
+            print(f"  {name}: {s['cpu_step_s']:.4f} / {floor['step_s']:.4f} = {best:.2f}x "
+                  f"({'above' if best >= TARGET else 'below'} the {TARGET:g}x target)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -263,10 +326,14 @@ def main() -> None:
                   file=sys.stderr, flush=True)
             runs[name].append(r)
     summary = summarize(todo, runs)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "run": RUN, "target": TARGET,
+    floor = matmul_floor(paths["art"], args.threads, prompt_tokens(paths["art"]),
+                         statistics.median(r["generated_tokens_per_step"] for name in runs for r in runs[name])
+                         / (RUN["prompts_per_step"] * RUN["num_generations"]))
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "run": RUN, "target": TARGET, "floor": floor,
                                                   "cases": {k: list(v[:2]) + [v[2]] for k, v in todo.items()},
                                                   "summary": summary, "results": runs}, indent=1))
     report(summary, args)
+    report_floor(floor, summary)
     print(f"\nall numbers: {out / 'results.json'}")
 
 

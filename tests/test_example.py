@@ -26,7 +26,9 @@ def test_tiny_example_runs_end_to_end(tmp_path):
     assert "DPO policy, greedy" in result.stdout
     grpo = read_metrics(tmp_path / "grpo")
     accuracy = [m["val/reward/mean"] for m in grpo if "val/reward/mean" in m]
-    print(f"GRPO greedy accuracy at steps 0, 20, 40: {accuracy}")
-    assert [m["step"] for m in grpo] == list(range(41)) and len(accuracy) == 3
-    assert all(m["kl/mean"] < 0.5 for m in grpo[1:])  # learning arithmetic: not shown yet (issue 17)
+    print(f"GRPO greedy accuracy on 256 held-out prompts at steps 0, 50, 100, 150: {accuracy}")
+    assert [m["step"] for m in grpo] == list(range(151)) and len(accuracy) == 4
+    # issue 17: GRPO from the SFT checkpoint raises exact-answer accuracy by 0.15 or more, KL bounded
+    assert accuracy[-1] >= accuracy[0] + 0.15
+    assert all(m["kl/mean"] < 0.5 for m in grpo[1:])
     assert "GRPO: greedy exact-answer accuracy" in result.stdout

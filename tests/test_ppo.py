@@ -1,7 +1,8 @@
 """`aligner train ppo` end to end through the CLI, with the critic service it starts itself (embedded):
-PPO learns a rewarded string, each actor checkpoint has the critic's of the same step, a service
-SIGKILLed mid-run stops the trainer with exit 75 and one line naming it, the re-run resumes both sides
-and its steps equal an uninterrupted run's, and a wrong service layout is refused before anything starts."""
+PPO learns a rewarded string, each actor checkpoint has the critic's of the same step, a stalled service
+is waited for, a SIGKILLed one stops the trainer with exit 75 and one line naming it, the re-run resumes
+both sides and its steps equal an uninterrupted run's, and a wrong service layout is refused before
+anything starts."""
 from __future__ import annotations
 
 import os
@@ -70,59 +71,45 @@ def straight(tiny_assets, rl_assets, tmp_path_factory):
                "trainer.save_interval=2", "algorithm.kl.target=0.05", "algorithm.kl.horizon=100")
 
 
-def test_a_killed_service_stops_the_run_with_exit_75_and_the_rerun_resumes(tiny_assets, rl_assets, straight,
-                                                                             tmp_path):
-    run_dir = tmp_path / "run"
-    args = ppo_args(tiny_assets, rl_assets, run_dir, "trainer.max_steps=6", "trainer.save_interval=2",
-                    "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=5")
-    process = start_cli(*args)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:  # kill the service once step 2's checkpoints are complete
-        if (run_dir / "checkpoints/step_000002/COMPLETE").exists():
-            break
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        time.sleep(0.05)
+def _signal_service(run_dir, sig) -> None:
     victims = _service_processes(run_dir)
     assert victims
     for p in victims:
-        os.kill(p.pid, signal.SIGKILL)
+        os.kill(p.pid, sig)
+
+
+def test_a_slow_service_is_waited_for_a_killed_one_stops_the_run_and_the_rerun_resumes(tiny_assets, rl_assets,
+                                                                                         straight, tmp_path):
+    """After step 1 the service stalls for 3 s (SIGSTOP, SIGCONT), within critic.timeout_s: the run waits.
+    Once step 2's checkpoints are complete it is SIGKILLed: the trainer exits 75 with one line naming the
+    service, and re-running the command resumes both sides; every step equals the uninterrupted run's."""
+    run_dir = tmp_path / "run"
+    args = ppo_args(tiny_assets, rl_assets, run_dir, "trainer.max_steps=6", "trainer.save_interval=2",
+                    "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=8")
+    process = start_cli(*args)
+
+    def wait_for(done):
+        deadline = time.monotonic() + 300
+        while not done():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+            time.sleep(0.05)
+
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and read_metrics(run_dir))
+    _signal_service(run_dir, signal.SIGSTOP)
+    time.sleep(3)
+    _signal_service(run_dir, signal.SIGCONT)
+    wait_for(lambda: (run_dir / "checkpoints/step_000002/COMPLETE").exists())
+    _signal_service(run_dir, signal.SIGKILL)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 75, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if "critic service at 127.0.0.1:" in line]
     assert lines and "stopped answering" in lines[-1] and "re-run the same command to resume" in lines[-1]
     assert "Traceback" not in stderr
     resumed = ppo(tiny_assets, rl_assets, run_dir, "trainer.max_steps=6", "trainer.save_interval=2",
-                  "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=5")
+                  "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=8")
     assert [m["step"] for m in resumed] == list(range(1, 7))  # the killed run's lines, then the re-run's
-    later = [m for m in resumed if m["step"] > 2][-(6 - 2):]
-    for ours in later:
-        ref = straight[ours["step"] - 1]
+    for ours, ref in zip(resumed, straight):
         for key in KEYS + ("kl/coef",):
-            assert ours[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), (ours["step"], key)
-
-
-def test_a_slow_service_does_not_stop_the_run(tiny_assets, rl_assets, straight, tmp_path):
-    """The service stalls for 4 s (SIGSTOP, then SIGCONT) within critic.timeout_s: the run waits and
-    finishes with the uninterrupted run's numbers."""
-    run_dir = tmp_path / "run"
-    process = start_cli(*ppo_args(tiny_assets, rl_assets, run_dir, "trainer.max_steps=6", "trainer.save_interval=2",
-                                  "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=60"))
-    deadline = time.monotonic() + 300
-    while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)):
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.05)
-    victims = _service_processes(run_dir)
-    for p in victims:
-        os.kill(p.pid, signal.SIGSTOP)
-    time.sleep(4)
-    for p in victims:
-        os.kill(p.pid, signal.SIGCONT)
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr[-3000:]
-    metrics = read_metrics(run_dir)
-    assert max(m["timing/step_s"] for m in metrics) > 3.5  # the stall was waited out
-    for ours, ref in zip(metrics, straight):
-        for key in KEYS:
             assert ours[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), (ours["step"], key)
 
 

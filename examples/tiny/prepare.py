@@ -30,7 +30,8 @@ def main() -> None:
     write_arithmetic_preferences(out / "pref_train.jsonl", args.train, seed=3, max_operand=args.max_operand, ops="+-*")
     write_arithmetic_preferences(out / "pref_val.jsonl", args.val, seed=4, max_operand=args.max_operand, ops="+-*")
     write_arithmetic_prompts(out / "rl_train.jsonl", args.train, seed=6, max_operand=args.max_operand)
-    write_arithmetic_prompts(out / "rl_val.jsonl", 64, seed=7, max_operand=args.max_operand)
+    # 256 held-out prompts: the accuracy's standard error is about 0.03 (0.06 with 64)
+    write_arithmetic_prompts(out / "rl_val.jsonl", 256, seed=7, max_operand=args.max_operand)
     tokenizer = load_tokenizer(out / "tokenizer")
     with open(out / "prompts.jsonl", "w") as f:
         for problem in arithmetic_problems(8, seed=5, max_operand=args.max_operand):

@@ -27,10 +27,11 @@ aligner train dpo run_dir=$T/dpo model.pretrained=$SFT data.train_path=$T/pref_t
 aligner generate --model $T/dpo/checkpoints/step_000030 --prompts $T/prompts.jsonl --out $T/generations.jsonl \
   sampling.greedy=true sampling.max_new_tokens=12
 
+# 32 prompts x 8 samples per step, 4 optimizer steps of 64 samples each (so old log-probs are computed)
 aligner train grpo run_dir=$T/grpo model.pretrained=$SFT data.train_path=$T/rl_train.jsonl \
-  data.val_path=$T/rl_val.jsonl reward.functions=[arithmetic] trainer.max_steps=40 trainer.val_interval=20 \
-  algorithm.prompts_per_step=16 algorithm.num_generations=8 trainer.global_batch_size=128 trainer.micro_batch_size=64 \
-  sampling.max_new_tokens=4 optim.lr=5e-5 optim.min_lr=5e-5 algorithm.kl.coef=0.01 "${common[@]}"
+  data.val_path=$T/rl_val.jsonl reward.functions=[arithmetic] trainer.max_steps=150 trainer.val_interval=50 \
+  algorithm.prompts_per_step=32 algorithm.num_generations=8 trainer.global_batch_size=64 trainer.micro_batch_size=64 \
+  sampling.max_new_tokens=4 optim.lr=1e-4 optim.min_lr=1e-4 algorithm.kl.coef=0.01 "${common[@]}"
 
 echo "--- last metrics: SFT, RM, DPO, GRPO ---"
 for stage in sft rm dpo grpo; do tail -n 1 $T/$stage/metrics.jsonl; done
