@@ -60,12 +60,14 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
     log_dir.mkdir(parents=True, exist_ok=True)
     port = master_port or free_port()
     procs, logs = [], []
+    asked = []  # SIGUSR1 reached this process (and was passed on)
 
     def forward(signum, frame):
         _stop(procs)
         raise KeyboardInterrupt(f"signal {signum}")
 
     def pass_on(signum, frame):
+        asked.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -105,7 +107,7 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
             _stop(procs)
             raise RankFailed(_failure_report(failed, procs[failed].returncode, log_dir))
         if any(p.returncode == EXIT_PREEMPTED for p in procs):
-            why = "on SIGUSR1" if stop_requested() else "(exit 75; rank 0 said why above)"
+            why = "on SIGUSR1" if asked else "(exit 75; rank 0 said why above)"
             raise RanksPreempted(f"{nproc} ranks stopped at a checkpoint {why}; resume with the same run_dir")
     finally:
         for s, handler in previous.items():
