@@ -1,8 +1,7 @@
 """`aligner train ppo` end to end through the CLI, with the critic service it starts itself (embedded):
-PPO learns a rewarded string, each actor checkpoint has the critic's of the same step, a stalled service
-is waited for, a SIGKILLed one stops the trainer with exit 75 and one line naming it, the re-run resumes
-both sides and its steps equal an uninterrupted run's, and a wrong service layout is refused before
-anything starts."""
+PPO learns a rewarded string, each actor checkpoint has the critic's of the same step, a SIGKILLed
+service stops the trainer with exit 75 and one line naming it, the re-run resumes both sides and its
+steps equal an uninterrupted run's, and a wrong service layout is refused before anything starts."""
 from __future__ import annotations
 
 import os
@@ -78,27 +77,19 @@ def _signal_service(run_dir, sig) -> None:
         os.kill(p.pid, sig)
 
 
-def test_a_slow_service_is_waited_for_a_killed_one_stops_the_run_and_the_rerun_resumes(tiny_assets, rl_assets,
-                                                                                         straight, tmp_path):
-    """After step 1 the service stalls for 3 s (SIGSTOP, SIGCONT), within critic.timeout_s: the run waits.
-    Once step 2's checkpoints are complete it is SIGKILLed: the trainer exits 75 with one line naming the
-    service, and re-running the command resumes both sides; every step equals the uninterrupted run's."""
+def test_a_killed_service_stops_the_run_with_exit_75_and_the_rerun_resumes(tiny_assets, rl_assets, straight,
+                                                                             tmp_path):
+    """Once step 2's checkpoints are complete the service is SIGKILLed: the trainer exits 75 with one line
+    naming the service, and re-running the command resumes both sides; every step equals the
+    uninterrupted run's."""
     run_dir = tmp_path / "run"
     args = ppo_args(tiny_assets, rl_assets, run_dir, "trainer.max_steps=6", "trainer.save_interval=2",
-                    "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=8")
+                    "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=30")
     process = start_cli(*args)
-
-    def wait_for(done):
-        deadline = time.monotonic() + 300
-        while not done():
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
-            time.sleep(0.05)
-
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and read_metrics(run_dir))
-    _signal_service(run_dir, signal.SIGSTOP)
-    time.sleep(3)
-    _signal_service(run_dir, signal.SIGCONT)
-    wait_for(lambda: (run_dir / "checkpoints/step_000002/COMPLETE").exists())
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoints/step_000002/COMPLETE").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.05)
     _signal_service(run_dir, signal.SIGKILL)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 75, stderr[-3000:]
@@ -106,7 +97,7 @@ def test_a_slow_service_is_waited_for_a_killed_one_stops_the_run_and_the_rerun_r
     assert lines and "stopped answering" in lines[-1] and "re-run the same command to resume" in lines[-1]
     assert "Traceback" not in stderr
     resumed = ppo(tiny_assets, rl_assets, run_dir, "trainer.max_steps=6", "trainer.save_interval=2",
-                  "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=8")
+                  "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=30")
     assert [m["step"] for m in resumed] == list(range(1, 7))  # the killed run's lines, then the re-run's
     for ours, ref in zip(resumed, straight):
         for key in KEYS + ("kl/coef",):
