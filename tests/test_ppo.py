@@ -1,21 +1,29 @@
 """`aligner train ppo` end to end through the CLI, with the critic service it starts itself (embedded):
-PPO learns a rewarded string, each actor checkpoint has the critic's of the same step, a SIGKILLed
-service stops the trainer with exit 75 and one line naming it, the re-run resumes both sides and its
-steps equal an uninterrupted run's, and a wrong service layout is refused before anything starts."""
+PPO learns a rewarded string, each actor checkpoint has the critic's of the same step, the critic warms
+up alone, a stalled service is waited for and changes nothing, a SIGKILLed one stops the trainer with
+exit 75 and one line naming it, the re-run resumes both sides and its steps equal an uninterrupted run's,
+and a wrong service layout is refused before anything starts. The Service's retries are checked without
+a service."""
 from __future__ import annotations
 
 import os
 import signal
 import time
+from concurrent.futures import Future
+from types import SimpleNamespace
 
+import numpy as np
 import psutil
 import pytest
 
+from aligner.algorithms.ppo import Service
+from aligner.servers.client import OK, TIMEOUT, SampleResult, Values
 from tests.conftest import read_metrics, run_cli, start_cli
 from tests.test_rl_loop import REWARDS, rl_assets  # noqa: F401 - the module fixture, shared
 
 KEYS = ("reward/mean", "loss", "grad_norm", "kl/mean", "value/loss", "returns/mean", "value/explained_variance",
         "advantages/mean", "response_length/mean")
+SIX_STEPS = ("trainer.max_steps=6", "trainer.save_interval=2", "algorithm.kl.target=0.05", "algorithm.kl.horizon=100")
 
 
 def ppo_args(assets, root, run_dir, *extra):
@@ -38,13 +46,18 @@ def ppo(assets, root, run_dir, *extra):
 def test_ppo_learns_a_rewarded_string(tiny_assets, rl_assets, tmp_path):
     """+1 for a response containing "7" (a reward function; the critic starts from the SFT model with a
     fresh value head, and lam=1 gives Monte-Carlo returns while it learns): PPO makes nearly every
-    sample earn it within 50 steps, and the critic learns."""
+    sample earn it within 50 steps, and the critic learns. During the two critic warm-up steps only the
+    critic trains: the actor generating step 3 is still the SFT model (its KL to the reference, the SFT
+    weights, is exactly 0), and the first update moves it."""
     metrics = ppo(tiny_assets, rl_assets, tmp_path / "run", "trainer.max_steps=50", "algorithm.kl.coef=0.0",
-                  "algorithm.lam=1.0", "trainer.save_interval=25")
+                  "algorithm.lam=1.0", "trainer.save_interval=25", "algorithm.critic_warmup_steps=2")
     rewards = [m["reward/mean"] for m in metrics]
     print("reward/mean per step:", [round(r, 2) for r in rewards])
     assert rewards[0] < 0.3 and min(rewards[-5:]) >= 0.9
     assert metrics[-1]["value/explained_variance"] > metrics[0]["value/explained_variance"]
+    assert [m["critic_warmup"] for m in metrics[:4]] == [1.0, 1.0, 0.0, 0.0]
+    assert ["loss" in m for m in metrics[:4]] == [False, False, True, True] and "value/loss" in metrics[0]
+    assert [m["kl/mean"] for m in metrics[:3]] == [0.0, 0.0, 0.0] and metrics[3]["kl/mean"] != 0
     for key in ("value/loss", "value/clip_fraction", "returns/mean", "kl/coef", "timing/critic_wait_s",
                 "timing/critic_train_s", "timing/critic_train_server_s", "timing/critic_infer_server_s"):
         assert key in metrics[-1], key
@@ -65,9 +78,8 @@ def _service_processes(run_dir) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def straight(tiny_assets, rl_assets, tmp_path_factory):
-    """Six PPO steps, uninterrupted, checkpoints every two: the reference of the resume test."""
-    return ppo(tiny_assets, rl_assets, tmp_path_factory.mktemp("ppo_straight"), "trainer.max_steps=6",
-               "trainer.save_interval=2", "algorithm.kl.target=0.05", "algorithm.kl.horizon=100")
+    """Six PPO steps, uninterrupted, checkpoints every two: the reference of the fault test."""
+    return ppo(tiny_assets, rl_assets, tmp_path_factory.mktemp("ppo_straight"), *SIX_STEPS)
 
 
 def _signal_service(run_dir, sig) -> None:
@@ -77,31 +89,76 @@ def _signal_service(run_dir, sig) -> None:
         os.kill(p.pid, sig)
 
 
-def test_a_killed_service_stops_the_run_with_exit_75_and_the_rerun_resumes(tiny_assets, rl_assets, straight,
-                                                                             tmp_path):
-    """Once step 2's checkpoints are complete the service is SIGKILLed: the trainer exits 75 with one line
-    naming the service, and re-running the command resumes both sides; every step equals the
-    uninterrupted run's."""
+def test_a_stalled_service_changes_nothing_a_killed_one_stops_the_run_and_the_rerun_resumes(
+        tiny_assets, rl_assets, straight, tmp_path):
+    """Once step 2's checkpoints are complete the service stalls for 3 s (SIGSTOP, SIGCONT): the run waits,
+    and requests that failed meanwhile are asked again, so no sample is masked. Once step 4's are complete it
+    is SIGKILLed: the trainer exits 75 with one line naming the service, and re-running the command resumes
+    both sides; every step, stalled or resumed, equals the uninterrupted run's."""
     run_dir = tmp_path / "run"
-    args = ppo_args(tiny_assets, rl_assets, run_dir, "trainer.max_steps=6", "trainer.save_interval=2",
-                    "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=30")
+    args = ppo_args(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=30")
     process = start_cli(*args)
-    deadline = time.monotonic() + 300
-    while not (run_dir / "checkpoints/step_000002/COMPLETE").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.05)
+
+    def wait_for(step):
+        deadline = time.monotonic() + 300
+        while not (run_dir / f"checkpoints/step_{step:06d}/COMPLETE").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+            time.sleep(0.05)
+
+    wait_for(2)
+    _signal_service(run_dir, signal.SIGSTOP)
+    time.sleep(3)
+    _signal_service(run_dir, signal.SIGCONT)
+    wait_for(4)
     _signal_service(run_dir, signal.SIGKILL)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 75, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if "critic service at 127.0.0.1:" in line]
     assert lines and "stopped answering" in lines[-1] and "re-run the same command to resume" in lines[-1]
     assert "Traceback" not in stderr
-    resumed = ppo(tiny_assets, rl_assets, run_dir, "trainer.max_steps=6", "trainer.save_interval=2",
-                  "algorithm.kl.target=0.05", "algorithm.kl.horizon=100", "critic.timeout_s=30")
+    resumed = ppo(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=30")
     assert [m["step"] for m in resumed] == list(range(1, 7))  # the killed run's lines, then the re-run's
     for ours, ref in zip(resumed, straight):
-        for key in KEYS + ("kl/coef",):
+        for key in KEYS + ("kl/coef", "fraction/unscored"):
             assert ours[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), (ours["step"], key)
+    assert all(m["fraction/unscored"] == 0.0 for m in resumed)  # no sample was lost to the stall
+
+
+def _collect(timeout_s: float, answers: list[Values], ready: bool):
+    """Service.collect of two samples (prompt [5, 6], response [7, 8]) whose values request got answers[0];
+    each time it is asked again the critic gives the next answer (the last one repeated) and its
+    readiness is `ready`. No service runs."""
+    service = Service("127.0.0.1:9", None, timeout_s, 60.0, None)
+    again = iter(answers[1:])
+
+    def answered(answer) -> Future:
+        future = Future()
+        future.set_result(answer)
+        return future
+
+    service.critic.values = lambda sequences: answered(next(again, answers[-1]))
+    service.critic.infer_endpoint.is_ready = lambda: ready
+    sample = SimpleNamespace(prompt=SimpleNamespace(ids=[5, 6]), response_ids=[7, 8],
+                             sequence=lambda: ([5, 6, 7, 8], None))
+    try:
+        return service.collect([(2, answered(answers[0]), None, None)], [sample, sample])
+    finally:
+        service.close()
+
+
+def test_a_failed_request_is_asked_again_until_the_deadline_then_masked_or_the_service_is_lost():
+    ok = Values(tuple(SampleResult(OK, np.arange(4, dtype=np.float32)) for _ in range(2)))
+    failed = Values((SampleResult(TIMEOUT, None, "no answer within 30 s"),) * 2)
+    values, scores, _ = _collect(5.0, [failed, failed, ok], ready=True)  # a stall it recovers from: nothing lost
+    assert scores == [0.0, 0.0] and values.tolist() == [[1.0, 2.0], [1.0, 2.0]]
+    started = time.monotonic()
+    _, scores, _ = _collect(1.0, [failed], ready=True)  # ready, but never answering these samples: masked
+    assert scores == [None, None] and time.monotonic() - started >= 1.0
+    started = time.monotonic()  # not ready: lost at once (the client has retried the request for timeout_s)
+    with pytest.raises(ConnectionError, match="critic service at 127.0.0.1:9 stopped answering: no critic values, "
+                                              "not ready within critic.timeout_s=1 s"):
+        _collect(1.0, [failed], ready=False)
+    assert time.monotonic() - started < 0.5
 
 
 def test_the_kl_coefficient_adapts(straight):

@@ -66,14 +66,15 @@ class Service:
     """Global rank 0's side of the critic (+ reward) service: requests as futures, results in the
     trainer's layout, and `ConnectionError` naming the service when it stops answering in time."""
 
-    def __init__(self, critic_url: str, reward_url: str | None, timeout_s: float, scorer: RewardScorer | None):
+    def __init__(self, critic_url: str, reward_url: str | None, timeout_s: float, save_timeout_s: float,
+                 scorer: RewardScorer | None):
         from aligner.servers.client import CriticClient, RewardClient
 
         host, port = _host_port(critic_url)
         retries = _retries(timeout_s)
-        self.where, self.timeout_s, self.scorer = critic_url, timeout_s, scorer
-        self.critic = CriticClient(host, port, timeout_s=timeout_s, train_timeout_s=timeout_s, retries=retries,
-                                   backoff_s=RETRY_BACKOFF_S)
+        self.where, self.timeout_s, self.save_timeout_s, self.scorer = critic_url, timeout_s, save_timeout_s, scorer
+        self.critic = CriticClient(host, port, timeout_s=timeout_s, train_timeout_s=timeout_s,
+                                   save_timeout_s=save_timeout_s, retries=retries, backoff_s=RETRY_BACKOFF_S)
         self.reward = None
         if reward_url is not None:
             rhost, rport = _host_port(reward_url)
@@ -84,16 +85,16 @@ class Service:
         if self.reward is not None:
             self.reward.wait_ready(timeout_s)
 
-    def lost(self, what: str, error: BaseException | None = None) -> ConnectionError:
+    def lost(self, what: str, error: BaseException | None = None, key: str = "timeout_s") -> ConnectionError:
         detail = f" ({type(error).__name__}: {error})" if error is not None else ""
         return ConnectionError(f"the critic service at {self.where} stopped answering: {what} within "
-                               f"critic.timeout_s={self.timeout_s:g} s{detail}")
+                               f"critic.{key}={getattr(self, key):g} s{detail}")
 
-    def _result(self, future, what: str):
+    def _result(self, future, what: str, key: str = "timeout_s"):
         try:
-            return future.result(timeout=self.timeout_s)
+            return future.result(timeout=getattr(self, key))
         except Exception as e:  # noqa: BLE001 - a timeout, or the call's own failure after its retries
-            raise self.lost(what, e) from None
+            raise self.lost(what, e, key) from None
 
     def submit(self, samples: list, tokenizer, values: bool = True) -> tuple:
         """(len(samples), then futures of the critic's values, the reward model's scores and the reward
@@ -108,18 +109,25 @@ class Service:
 
     def collect(self, pending: list, samples: list) -> tuple[np.ndarray, list, float]:
         """(values [N, T] per response token, scores with None = unscored, the service's seconds) of the
-        samples whose requests `pending` holds, in order. A sample the service could not answer for is
-        unscored; a service that answers for no sample and is not ready is lost."""
+        samples whose requests `pending` holds, in order. A chunk the service failed for is asked again
+        (`answered`) until critic.timeout_s after the step's first failure; a sample still failing then is
+        unscored; a service that is not ready is lost."""
         width = max(len(s.response_ids) for s in samples)
         values = np.zeros((len(samples), width), dtype=np.float32)
-        scores, seconds, k = [], 0.0, 0
+        scores, seconds, k, since = [], 0.0, 0, None
         for n, value_future, reward_future, function_future in pending:
             got = self._result(value_future, "no critic values") if value_future is not None else None
             rewards = self._result(reward_future, "no rewards") if reward_future is not None else None
             extra = self._result(function_future, "no reward-function scores") if function_future is not None else None
-            if any(r is not None and not r.scored.any() for r in (got, rewards)) \
-                    and not self.critic.infer_endpoint.is_ready():
-                raise self.lost("not ready")
+            if any(r is not None and not r.scored.all() for r in (got, rewards)):
+                since = since or time.monotonic()  # one deadline for the step, however many chunks failed
+                sequences = [s.sequence()[0] for s in samples[k:k + n]]
+                if got is not None:
+                    got = self.answered(got, lambda: self.critic.values(sequences), self.critic.infer_endpoint,
+                                        "no critic values", since)
+                if rewards is not None:
+                    rewards = self.answered(rewards, lambda: self.reward.score(sequences), self.reward.endpoint,
+                                            "no rewards", since)
             seconds += got.seconds if got is not None else 0.0
             for i in range(n):
                 sample, score = samples[k + i], 0.0
@@ -138,16 +146,37 @@ class Service:
             k += n
         return values, scores, seconds
 
+    def answered(self, got, again, endpoint, what: str, since: float):
+        """`got` (Values or Scores of one chunk) with the chunk asked again (`again()`: a new future) while
+        some sample failed and critic.timeout_s has not passed since `since`: a request that failed while
+        the service stalled is answered once it recovers, so a slow service costs time, not samples. The
+        whole chunk is resent, the same request as the first, so its numbers are an undisturbed run's.
+        A failure while `endpoint` is not ready is `lost` at once: the client has already retried such a
+        request (refused, not serving yet, no answer) for critic.timeout_s."""
+        pause = RETRY_BACKOFF_S
+        while not got.scored.all():
+            if not endpoint.is_ready():
+                raise self.lost(f"{what}, not ready")
+            left = since + self.timeout_s - time.monotonic()
+            if left <= 0:
+                return got  # its failing samples are masked
+            log.warning("%s failed for %d of %d samples (%s); asking again", endpoint.model,
+                        int((~got.scored).sum()), len(got.results), next(r.message for r in got.results if not r.ok))
+            time.sleep(min(pause, left))
+            pause *= 2
+            got = self._result(again(), what)
+        return got
+
     def train_result(self, future) -> dict:
         reply = self._result(future, "no critic_train reply")
         return {"value/loss": float(reply.loss_mean), "value/clip_fraction": float(reply.clip_fraction),
                 "timing/critic_train_server_s": float(reply.seconds)}
 
     def save(self, step: int) -> None:
-        self._result(self.critic.save(step), f"the critic checkpoint of step {step} was not saved")
+        self._result(self.critic.save(step), f"the critic checkpoint of step {step} was not saved", "save_timeout_s")
 
     def load(self, step: int) -> None:
-        self._result(self.critic.load(step), f"the critic checkpoint of step {step} was not loaded")
+        self._result(self.critic.load(step), f"the critic checkpoint of step {step} was not loaded", "save_timeout_s")
 
     def close(self) -> None:
         self.critic.close()
@@ -204,7 +233,7 @@ def critic_service(cfg, step: int):
             reward_url = r.url or (url if r.checkpoint else None)
         else:
             url, reward_url = c.url, r.url or c.url
-        service = Service(url, reward_url, c.timeout_s, scorer)
+        service = Service(url, reward_url, c.timeout_s, c.save_timeout_s, scorer)
         try:
             service.wait_ready(c.startup_timeout_s)
             if c.url is not None and step:

@@ -195,7 +195,8 @@ class PPOCriticConfig:
 
     url: Optional[str] = None  # host:port of a running `aligner serve critic`; None = embedded
     checkpoint: Optional[str] = None  # its initial weights; None = reward.checkpoint (NeMo-Aligner's choice)
-    timeout_s: float = 300.0  # a request is retried with backoff until this deadline, then the run stops (exit 75)
+    timeout_s: float = 300.0  # a failed request is asked again until this deadline, then masked; not ready: exit 75
+    save_timeout_s: float = 600.0  # critic_save / critic_load, which write or read the whole critic
     startup_timeout_s: float = 600.0  # the embedded service must be ready within this
     launcher: LauncherConfig = field(default_factory=LauncherConfig)  # its own ranks
     parallel: ServeParallelConfig = field(default_factory=ServeParallelConfig)  # its own layout

@@ -340,18 +340,19 @@ class TrainResult:
 
 class CriticClient(_PooledClient):
     """critic_infer (futures of typed per-sample values), critic_train, critic_save / critic_load
-    (checkpoints named by the actor's step)."""
+    (checkpoints named by the actor's step; `save_timeout_s` bounds each, since writing a large critic
+    takes far longer than a values request)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 5567, *, max_rows: int = 64, workers: int = 4,
                  pad_to_multiple: int = 16, timeout_s: float = 60.0, train_timeout_s: float = 3600.0,
-                 retries: int = 3, backoff_s: float = 0.5):
+                 save_timeout_s: float = 3600.0, retries: int = 3, backoff_s: float = 0.5):
         super().__init__(workers, "critic-client")
         make = lambda name, timeout, idempotent: EndpointClient(  # noqa: E731
             host, port, name, timeout_s=timeout, retries=retries, backoff_s=backoff_s, idempotent=idempotent)
         self.infer_endpoint = make("critic_infer", timeout_s, True)
         self.train_endpoint = make("critic_train", train_timeout_s, protocol.CRITIC_TRAIN.idempotent)
-        self.save_endpoint = make("critic_save", train_timeout_s, protocol.CRITIC_SAVE.idempotent)
-        self.load_endpoint = make("critic_load", train_timeout_s, protocol.CRITIC_LOAD.idempotent)
+        self.save_endpoint = make("critic_save", save_timeout_s, protocol.CRITIC_SAVE.idempotent)
+        self.load_endpoint = make("critic_load", save_timeout_s, protocol.CRITIC_LOAD.idempotent)
         self.max_rows, self.pad_to_multiple = max_rows, pad_to_multiple
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
