@@ -6,8 +6,13 @@ to a reference model with beta 0.04, clip epsilon 0.2, one optimizer step per ba
 constant, no weight decay, grad-clip 1.0, seed 1234, fp32, the baseline's reward (exact integer match
 against the answer: bench/rl_reward.py), 30 steps of which the first 5 are not timed. Prints median
 seconds per step and TRL's s/step over ours, against the issue's target of 3x.
+PPO (`aligner train ppo` with its embedded critic/reward service against TRL 1.12.0's PPOTrainer, 32
+prompts x 1 sample, the baseline's seq-cls reward model as reward model and critic/value init) is
+bench/rl_ppo.py: its configuration, what still differs, its step breakdown and the service's overlap.
 
-    python bench/rl_vs_trl.py [--steps 30] [--threads 1] [--repeats 1] [--out runs/bench-rl]
+    python bench/rl_vs_trl.py [--steps 30] [--threads 1] [--repeats 1] [--only CASE ...] [--out runs/bench-rl]
+
+Cases: trl_grpo aligner_grpo trl_rloo aligner_rloo aligner_rloo_kl_reward trl_ppo trl_ppo_nogc aligner_ppo.
 
 Method, environment and measurements as in bench/preference_vs_trl.py (whose helpers this uses): TRL
 runs in its own virtual environment (ALIGNER_TRL_PYTHON, default /tmp/trl-venv/bin/python) driving the
@@ -54,6 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import rl_ppo  # noqa: E402
 from bench.preference_vs_trl import (OFFLINE, TRL_BENCH_DIR, TRL_PYTHON, _busy_seconds, _cpu_seconds,  # noqa: E402
                                      prepare, timed)
 
@@ -63,30 +69,51 @@ RUN = {"prompts_per_step": 8, "num_generations": 4, "max_new_tokens": 16, "tempe
 PHASES = ("generate", "score", "score_wait", "logprobs", "reference", "train", "refit")  # aligner's timing/<phase>_s
 
 
-def _tree_cpu_seconds(pid: int) -> float | None:
-    """CPU seconds of `pid` and its live descendants (aligner's reward workers are processes of its own)."""
-    total, todo = None, [pid]
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def _tree_cpu_seconds(pid: int, cmdlines: dict | None = None, service: set | None = None) -> tuple[float | None, float]:
+    """(CPU seconds of `pid` and its live descendants, those of PPO's embedded critic service among them).
+    aligner's reward workers and PPO's service are processes of their own: the service is started with
+    start_new_session, a session of its own, but it is still a descendant. `cmdlines` caches each pid's
+    command line (and so records every process the walk reached); `service` collects the service's pids."""
+    cmdlines = {} if cmdlines is None else cmdlines
+    service = set() if service is None else service
+    total, service_cpu, todo = None, 0.0, [(pid, False)]
     while todo:
-        p = todo.pop()
+        p, under = todo.pop()
         cpu = _cpu_seconds(p)
         if cpu is None:
             continue
+        if p not in cmdlines:
+            cmdlines[p] = _cmdline(p)
+        under = under or rl_ppo.is_service(cmdlines[p])
         total = (total or 0.0) + cpu
+        if under:
+            service_cpu += cpu
+            service.add(p)
         try:
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
+                    todo += [(int(c), under) for c in f.read().split()]
         except OSError:
             pass
-    return total
+    return total, service_cpu
 
 
 def timed_tree(cmd: list[str], env: dict, cwd: Path, log: Path, metrics: Path) -> dict:
     """preference_vs_trl.timed for a command with child processes: the CPU seconds of the whole process
-    tree at the moment each line was appended to `metrics` (read only when the file grew)."""
+    tree (`step_cpu`), and of PPO's service in it (`step_service_cpu`), at the moment each line was
+    appended to `metrics` (read only when the file grew); `cmdlines`: every process the walk reached, and
+    `service_pids`: those of the service."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy, start = _busy_seconds(), time.perf_counter()
-    step_cpu, size = [], 0
+    step_cpu, step_service_cpu, size, cmdlines, service_pids = [], [], 0, {}, set()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
@@ -94,8 +121,9 @@ def timed_tree(cmd: list[str], env: dict, cwd: Path, log: Path, metrics: Path) -
                 with open(metrics, "rb") as f:
                     data = f.read()
                 size, lines = len(data), data.count(b"\n")
-                cpu = _tree_cpu_seconds(proc.pid)
+                cpu, service = _tree_cpu_seconds(proc.pid, cmdlines, service_pids)
                 if cpu is not None:
+                    step_service_cpu += [service] * (lines - len(step_cpu))
                     step_cpu += [cpu] * (lines - len(step_cpu))
             time.sleep(0.002)
     wall = time.perf_counter() - start
@@ -103,7 +131,8 @@ def timed_tree(cmd: list[str], env: dict, cwd: Path, log: Path, metrics: Path) -
     own = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
     if proc.returncode:
         sys.exit(f"{' '.join(cmd[:4])} ... failed with exit code {proc.returncode}; see {log}")
-    return {"wall_s": wall, "other_cores": max(0.0, (_busy_seconds() - busy - own) / wall), "step_cpu": step_cpu}
+    return {"wall_s": wall, "other_cores": max(0.0, (_busy_seconds() - busy - own) / wall), "step_cpu": step_cpu,
+            "step_service_cpu": step_service_cpu, "cmdlines": cmdlines, "service_pids": sorted(service_pids)}
 
 
 def run_trl(name: str, paths: dict, out: Path, steps: int, warmup: int, threads: int, attempt: int) -> dict:
@@ -127,45 +156,69 @@ def run_trl(name: str, paths: dict, out: Path, steps: int, warmup: int, threads:
             "trl_config": r.get("config"), **load}
 
 
-def run_aligner(name: str, extra: list[str], paths: dict, out: Path, steps: int, warmup: int, threads: int,
-                attempt: int) -> dict:
-    run_dir = out / f"{name}.{attempt}"
+def grpo_overrides(paths: dict, out: Path, run_dir: Path, steps: int, threads: int) -> list[str]:
     n = RUN["prompts_per_step"] * RUN["num_generations"]
-    overrides = [f"run_dir={run_dir}", f"tokenizer.path={paths['art'] / 'tokenizer'}",
-                 f"model.pretrained={out / 'policy_mcore'}", f"data.train_path={paths['art'] / 'data' / 'arith.jsonl'}",
-                 f"trainer.max_steps={steps}", f"trainer.global_batch_size={n}", f"trainer.micro_batch_size={n}",
-                 f"trainer.seed={RUN['seed']}", "trainer.save_last=false", "trainer.val_interval=0",
-                 f"algorithm.prompts_per_step={RUN['prompts_per_step']}",
-                 f"algorithm.num_generations={RUN['num_generations']}", f"algorithm.kl.coef={RUN['kl_beta']}",
-                 f"algorithm.clip_low={RUN['clip_eps']}", "algorithm.ppo_epochs=1",
-                 f"sampling.max_new_tokens={RUN['max_new_tokens']}", f"sampling.temperature={RUN['temperature']}",
-                 f"sampling.top_p={RUN['top_p']}", f"sampling.top_k={RUN['top_k']}",
-                 f"optim.lr={RUN['lr']}", "optim.min_lr=1e-6", "optim.scheduler=constant", "optim.warmup_steps=0",
-                 "optim.weight_decay=0.0", "optim.adam_beta1=0.9", "optim.adam_beta2=0.999", "optim.adam_eps=1e-8",
-                 "optim.clip_grad=1.0", "reward.functions=[bench.rl_reward:arith]", "reward.workers=1",
-                 "logging.tensorboard=false",
-                 "logging.progress=false", f"launcher.threads_per_rank={threads}", *extra]
+    return [f"run_dir={run_dir}", f"tokenizer.path={paths['art'] / 'tokenizer'}",
+            f"model.pretrained={out / 'policy_mcore'}", f"data.train_path={paths['art'] / 'data' / 'arith.jsonl'}",
+            f"trainer.max_steps={steps}", f"trainer.global_batch_size={n}", f"trainer.micro_batch_size={n}",
+            f"trainer.seed={RUN['seed']}", "trainer.save_last=false", "trainer.val_interval=0",
+            f"algorithm.prompts_per_step={RUN['prompts_per_step']}",
+            f"algorithm.num_generations={RUN['num_generations']}", f"algorithm.kl.coef={RUN['kl_beta']}",
+            f"algorithm.clip_low={RUN['clip_eps']}", "algorithm.ppo_epochs=1",
+            f"sampling.max_new_tokens={RUN['max_new_tokens']}", f"sampling.temperature={RUN['temperature']}",
+            f"sampling.top_p={RUN['top_p']}", f"sampling.top_k={RUN['top_k']}",
+            f"optim.lr={RUN['lr']}", "optim.min_lr=1e-6", "optim.scheduler=constant", "optim.warmup_steps=0",
+            "optim.weight_decay=0.0", "optim.adam_beta1=0.9", "optim.adam_beta2=0.999", "optim.adam_eps=1e-8",
+            "optim.clip_grad=1.0", "reward.functions=[bench.rl_reward:arith]", "reward.workers=1",
+            "logging.tensorboard=false",
+            "logging.progress=false", f"launcher.threads_per_rank={threads}"]
+
+
+def run_aligner(name: str, algorithm: str, extra: list[str], paths: dict, out: Path, steps: int, warmup: int,
+                threads: int, attempt: int) -> dict:
+    """`aligner train grpo` (GRPO, RLOO) or `aligner train ppo` (with its service) on the baseline's
+    configuration plus `extra`."""
+    run_dir = out / f"{name}.{attempt}"
+    ppo = algorithm == "ppo"
+    n = rl_ppo.RUN["prompts_per_step"] if ppo else RUN["prompts_per_step"] * RUN["num_generations"]
+    overrides = (rl_ppo.overrides if ppo else grpo_overrides)(paths, out, run_dir, steps, threads)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    load = timed_tree([sys.executable, "-m", "aligner.cli", "train", "grpo", *overrides], env, REPO,
-                      out / f"{name}.{attempt}.log", run_dir / "metrics.jsonl")
-    cpu = load.pop("step_cpu")
+    load = timed_tree([sys.executable, "-m", "aligner.cli", "train", "ppo" if ppo else "grpo", *overrides, *extra],
+                      env, REPO, out / f"{name}.{attempt}.log", run_dir / "metrics.jsonl")
+    cpu, service_cpu, cmdlines = load.pop("step_cpu"), load.pop("step_service_cpu"), load.pop("cmdlines")
+    service_pids = load.pop("service_pids")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     at = [i for i, m in enumerate(lines) if "timing/step_s" in m]  # a step's line (not a validation's)
     metrics = [lines[i] for i in at][warmup:]
     step = [m["timing/step_s"] for m in metrics]
-    phases = {p: statistics.median(m[f"timing/{p}_s"] for m in metrics)
-              for p in PHASES if all(f"timing/{p}_s" in m for m in metrics)}
-    # the rest of a step: its time less the phases it spends in sequence (`score` runs beside them)
-    phases["other"] = statistics.median(m["timing/step_s"] - sum(m.get(f"timing/{p}_s", 0.0) for p in PHASES
-                                                                 if p != "score") for m in metrics)
-    return {"step_s": statistics.median(step), "min_step_s": min(step),
-            "cpu_step_s": (cpu[at[steps - 1]] - cpu[at[warmup - 1]]) / (steps - warmup),
-            "generated_tokens_per_step": statistics.fmean(m["response_length/mean"] for m in metrics) * n,
-            "generated_tokens_per_s": statistics.median(m["throughput/generated_tokens_per_s"] for m in metrics),
-            "phases": phases, "reward_mean": statistics.fmean(m["reward/mean"] for m in metrics), **load}
+    if ppo:
+        phases = rl_ppo.phases(metrics)
+    else:
+        phases = {p: statistics.median(m[f"timing/{p}_s"] for m in metrics)
+                  for p in PHASES if all(f"timing/{p}_s" in m for m in metrics)}
+        # the rest of a step: its time less the phases it spends in sequence (`score` runs beside them)
+        phases["other"] = statistics.median(m["timing/step_s"] - sum(m.get(f"timing/{p}_s", 0.0) for p in PHASES
+                                                                     if p != "score") for m in metrics)
+
+    def per_step(series: list[float]) -> float:
+        return (series[at[steps - 1]] - series[at[warmup - 1]]) / (steps - warmup)
+
+    result = {"step_s": statistics.median(step), "min_step_s": min(step), "cpu_step_s": per_step(cpu),
+              "generated_tokens_per_step": statistics.fmean(m["response_length/mean"] for m in metrics) * n,
+              "generated_tokens_per_s": statistics.median(m["throughput/generated_tokens_per_s"] for m in metrics),
+              "phases": phases, "reward_mean": statistics.fmean(m["reward/mean"] for m in metrics),
+              "processes": len(cmdlines), **load}
+    if ppo:
+        if not service_pids:
+            sys.exit(f"{name}: the process-tree walk never reached the critic service "
+                     f"({' '.join(rl_ppo.SERVICE_COMMAND)}), so its CPU time would be missing; processes seen: "
+                     f"{sorted(cmdlines)}")
+        result.update({"service_cpu_step_s": per_step(service_cpu), "overlap": rl_ppo.overlap(metrics),
+                       "service_processes": len(service_pids)})
+    return result
 
 
 def _gemm_rate(m: int, k: int, n: int, reps: int = 50) -> float:
@@ -197,7 +250,9 @@ def matmul_floor(art: Path, threads: int, prompt_tokens: int, response_tokens: f
     cfg = json.loads((art / "policy" / "config.json").read_text())
     h, ffn, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * h // cfg["num_attention_heads"]
-    per_token = 2 * (layers * (h * (2 * h + 2 * kv) + 3 * h * ffn) + h * vocab)  # forward FLOPs of one token
+    backbone = layers * (h * (2 * h + 2 * kv) + 3 * h * ffn)
+    per_token = 2 * (backbone + h * vocab)  # forward FLOPs of one token
+    per_token_scalar = 2 * (backbone + h)  # of a value or reward model (a 1-output head)
     n = RUN["prompts_per_step"] * RUN["num_generations"]
     tokens = n * (prompt_tokens + response_tokens)  # one sequence pass over the step's samples
     # generation: every prompt token once (prefill) and every response token but the last (decode);
@@ -205,8 +260,11 @@ def matmul_floor(art: Path, threads: int, prompt_tokens: int, response_tokens: f
     flops = {"generate": per_token * n * (prompt_tokens + response_tokens - 1), "reference": per_token * tokens,
              "train": 3 * per_token * tokens}
     rate = max(_gemm_rate(int(tokens), h, ffn), _gemm_rate(1024, 1024, 1024))  # the step's MLP shape, or a big one
+    samples = rl_ppo.RUN["prompts_per_step"] * rl_ppo.RUN["num_generations"]
+    ppo = rl_ppo.floor_flops(per_token, per_token_scalar, samples, prompt_tokens, response_tokens)
     return {"gemm_flops_per_s": rate, "flops": flops, "seconds": {k: v / rate for k, v in flops.items()},
-            "step_s": sum(flops.values()) / rate}
+            "step_s": sum(flops.values()) / rate,
+            "ppo": {"flops": ppo, "seconds": {k: v / rate for k, v in ppo.items()}, "step_s": sum(ppo.values()) / rate}}
 
 
 def prompt_tokens(art: Path) -> float:
@@ -229,6 +287,10 @@ def cases() -> dict:
         "aligner_rloo_kl_reward": ("rloo", "like-for-like work: k1 KL in the reward, as TRL",
                                    ["algorithm.advantage=rloo", "algorithm.kl.estimator=k1", "algorithm.kl.mode=reward",
                                     "algorithm.aggregation=token_mean"]),
+        # PPO (bench/rl_ppo.py): aligner's overrides are rl_ppo.overrides
+        "trl_ppo": ("ppo", "peer: PPOTrainer (trl 1.12.0)", None),
+        "trl_ppo_nogc": ("ppo", "peer diagnostic: gc.collect patched out", None),
+        "aligner_ppo": ("ppo", "like-for-like, embedded critic service", []),
     }
 
 
@@ -242,6 +304,13 @@ def summarize(todo: dict, runs: dict) -> dict:
                 for k in ("step_s", "cpu_step_s", "generated_tokens_per_step")},
              "phases": {p: statistics.median(r["phases"][p] for r in mine) for p in mine[0]["phases"]},
              "other_cores_max": max(r["other_cores"] for r in mine)}
+        if "overlap" in mine[0]:
+            s["service_cpu_step_s"] = statistics.median(r["service_cpu_step_s"] for r in mine)
+            s["overlap"] = {k: statistics.median(r["overlap"][k] for r in mine) for k in mine[0]["overlap"]}
+        nogc = runs.get(f"trl_{algorithm}_nogc", [])
+        if not name.startswith("trl_") and nogc:
+            s["ratio_cpu_nogc_per_round"] = [p["cpu_step_s"] / r["cpu_step_s"] for p, r in zip(nogc, mine)]
+            s["ratio_cpu_nogc"] = statistics.median(s["ratio_cpu_nogc_per_round"])
         if not name.startswith("trl_") and peer:
             s["ratio_cpu_per_round"] = [p["cpu_step_s"] / r["cpu_step_s"] for p, r in zip(peer, mine)]
             s["ratio_wall_per_round"] = [p["step_s"] / r["step_s"] for p, r in zip(peer, mine)]
@@ -255,7 +324,8 @@ def summarize(todo: dict, runs: dict) -> dict:
 
 def report(summary: dict, args) -> None:
     print(f"\nCPU, fp32, {args.threads} torch thread(s) per run, {RUN['prompts_per_step']} prompts x "
-          f"{RUN['num_generations']} samples, {RUN['max_new_tokens']} new tokens per step, steps "
+          f"{RUN['num_generations']} samples (PPO: {rl_ppo.RUN['prompts_per_step']} x "
+          f"{rl_ppo.RUN['num_generations']}), {RUN['max_new_tokens']} new tokens per step, steps "
           f"{args.warmup + 1}..{args.steps}, {args.repeats} attempt(s) per run: medians over attempts; a ratio "
           f"pairs each attempt with TRL's attempt of the same round; target: TRL / aligner >= {TARGET:g}x\n")
     print("| algorithm | run | configuration | s/step | CPU s/step | gen tokens/step | TRL / this (CPU s/step) | "
@@ -272,15 +342,19 @@ def report(summary: dict, args) -> None:
         print(f"| {s['algorithm']} | {name} | {s['configuration']} | {s['step_s']:.4f} | {s['cpu_step_s']:.4f} | "
               f"{s['generated_tokens_per_step']:.0f} | {ratio} | {rounds} | {wall} | {verdict} | "
               f"{s['other_cores_max']:.2f} |")
-    print("\nWhere a step's time goes (seconds, median over the timed steps, then over attempts): aligner's "
-          "`score` runs in its worker process beside logprobs/reference, `score wait` is what the step waited for it, "
-          "other = the step less the phases it spends in sequence; TRL's harness times only generate, so its other "
-          "is all the rest (reward, reference and policy forwards, backward, optimizer)\n")
-    print("| algorithm | run | step | generate | score | score wait | logprobs | reference | train | refit | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, s in summary.items():
-        cells = [f"{s['phases'][p]:.4f}" if p in s["phases"] else "" for p in (*PHASES, "other")]
-        print(f"| {s['algorithm']} | {name} | {s['step_s']:.4f} | {' | '.join(cells)} |")
+    rows = {name: s for name, s in summary.items() if s["algorithm"] != "ppo"}
+    if rows:
+        print("\nWhere a step's time goes (seconds, median over the timed steps, then over attempts): aligner's "
+              "`score` runs in its worker process beside logprobs/reference, `score wait` is what the step waited for "
+              "it, other = the step less the phases it spends in sequence; TRL's harness times only generate, so its "
+              "other is all the rest (reward, reference and policy forwards, backward, optimizer)\n")
+        print("| algorithm | run | step | generate | score | score wait | logprobs | reference | train | refit | "
+              "other |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, s in rows.items():
+            cells = [f"{s['phases'][p]:.4f}" if p in s["phases"] else "" for p in (*PHASES, "other")]
+            print(f"| {s['algorithm']} | {name} | {s['step_s']:.4f} | {' | '.join(cells)} |")
+    rl_ppo.report(summary)
 
 
 def report_floor(floor: dict, summary: dict) -> None:
@@ -290,10 +364,19 @@ def report_floor(floor: dict, summary: dict) -> None:
           f"generate {sec['generate']:.4f} + reference {sec['reference']:.4f} + train {sec['train']:.4f} = "
           f"{floor['step_s']:.4f} s, so no implementation reaches more than TRL / floor:")
     for name, s in summary.items():
-        if name.startswith("trl_"):
+        if name.startswith("trl_") and s["algorithm"] != "ppo":
             best = s["cpu_step_s"] / floor["step_s"]
             print(f"  {name}: {s['cpu_step_s']:.4f} / {floor['step_s']:.4f} = {best:.2f}x "
                   f"({'above' if best >= TARGET else 'below'} the {TARGET:g}x target)")
+    if any(s["algorithm"] == "ppo" for s in summary.values()):
+        ppo = floor["ppo"]
+        print(f"PPO's floor (rl_ppo.floor_flops: + a value and a reward forward, the value model's forward and "
+              f"backward): {' + '.join(f'{k} {v:.4f}' for k, v in ppo['seconds'].items())} = {ppo['step_s']:.4f} s")
+        for name, s in summary.items():
+            if name.startswith("trl_") and s["algorithm"] == "ppo":
+                best = s["cpu_step_s"] / ppo["step_s"]
+                print(f"  {name}: {s['cpu_step_s']:.4f} / {ppo['step_s']:.4f} = {best:.2f}x "
+                      f"({'above' if best >= TARGET else 'below'} the {TARGET:g}x target)")
 
 
 def main() -> None:
@@ -312,15 +395,18 @@ def main() -> None:
     if not Path(TRL_PYTHON).exists():
         sys.exit(f"no TRL interpreter at {TRL_PYTHON}; create the venv (see bench/preference_vs_trl.py's doc) "
                  "or set ALIGNER_TRL_PYTHON")
-    paths = prepare(out, args.threads)
     todo = {k: v for k, v in cases().items() if not args.only or k in args.only}
+    if any(k.startswith("trl_ppo") for k in todo) and (why := rl_ppo.check_installed()):
+        sys.exit(why)
+    paths = prepare(out, args.threads)
     runs: dict[str, list[dict]] = {name: [] for name in todo}
     for attempt in range(args.repeats):
-        for name, (_, _, extra) in todo.items():
+        for name, (algorithm, _, extra) in todo.items():
             if extra is None:
-                r = run_trl(name, paths, out, args.steps, args.warmup, args.threads, attempt)
+                runner = rl_ppo.run_trl if algorithm == "ppo" else run_trl
+                r = runner(name, paths, out, args.steps, args.warmup, args.threads, attempt)
             else:
-                r = run_aligner(name, extra, paths, out, args.steps, args.warmup, args.threads, attempt)
+                r = run_aligner(name, algorithm, extra, paths, out, args.steps, args.warmup, args.threads, attempt)
             print(f"[bench] {name} attempt {attempt}: {r['step_s']:.4f} s/step, {r['cpu_step_s']:.4f} CPU s/step, "
                   f"{r['generated_tokens_per_step']:.0f} generated tokens/step, other cores {r['other_cores']:.2f}",
                   file=sys.stderr, flush=True)

@@ -1,0 +1,200 @@
+"""The PPO case of bench/rl_vs_trl.py: TRL 1.12.0's PPOTrainer (trl.experimental.ppo, the last TRL that has
+it) against `aligner train ppo` with its embedded critic service, on the TRL peer baseline's configuration.
+
+TRL side: the baseline's own bench_ppo.py, run by the TRL virtual environment's interpreter with trl 1.12.0
+first on PYTHONPATH (ALIGNER_TRL_PPO_PATH, default trl-1.12.0 beside the venv's bin/:
+`/tmp/trl-venv/bin/pip install --no-deps --target /tmp/trl-venv/trl-1.12.0 trl==1.12.0`). Its policy, a
+frozen reference copy, the reward model and the value model (a second load of the same seq-cls file) all
+live in the one trainer process. `trl_ppo` is TRL as it is (two gc.collect() calls a step, the baseline's
+caveat C1); `trl_ppo_nogc` is the baseline's diagnostic with them patched out (`--no-gc`).
+
+aligner side: `aligner train ppo` (conf/ppo.yaml) with `model.pretrained=` the policy and
+`reward.checkpoint=` the baseline's LlamaForSequenceClassification reward model, both imported by
+`aligner convert hf-to-mcore` (which maps the seq-cls `score` head to aligner's scalar reward head); the
+trainer starts `aligner serve critic` as a child process group on loopback ports, which co-hosts that
+reward model and initialises the critic from it (critic.checkpoint unset = reward.checkpoint), as TRL's
+value model is a second copy of the reward model. Every value, score and critic update is a request to
+that service (PyTriton over HTTP on loopback), round trips included in the step's time. The service runs
+with the trainer's thread count (`critic.launcher.threads_per_rank`), and its CPU time is part of the
+step's: the process-tree walk of rl_vs_trl.timed_tree reaches it (it is started with start_new_session,
+but it is still a descendant of the trainer's rank 0) and the run fails if it did not.
+
+The configuration (TRL's PPOConfig in bench_ppo.py -> aligner):
+  32 prompts -> 32 rollouts a step (per_device_train_batch_size 32, local_rollout_forward_batch_size 32)
+      -> algorithm.prompts_per_step=32, num_generations=1, one generate call of 32 (generation.batch_size 64);
+  num_ppo_epochs 1 x num_mini_batches 1 -> algorithm.ppo_epochs=1, trainer.global_batch_size=32 (one actor
+      optimizer step), critic.trainer.global_batch_size=32 (one critic optimizer step), micro batches of 32;
+  response_length 16, temperature 1.0, stop at eos -> sampling.max_new_tokens=16, temperature 1, top_p 1, top_k 0;
+  kl_coef 0.04, kl_estimator k1, KL in the per-token reward -> algorithm.kl.coef=0.04, estimator=k1, mode=reward;
+  cliprange 0.2 -> algorithm.clip_low=0.2; cliprange_value 0.2 -> critic.trainer.loss_clip=0.2;
+  gamma 1.0, lam 0.95 -> algorithm.gamma, algorithm.lam; advantages whitened over the batch (both);
+  whiten_rewards False, missing_eos_penalty None -> aligner's defaults (no score standardising or clipping);
+  AdamW lr 1e-5 constant, no weight decay, grad-clip 1.0, seed 1234, fp32 -> the same for the actor and for
+      the critic (critic.optim).
+
+What still differs (the work a step does is the same unless said):
+  * Old log-probs: TRL takes them from generate's output scores (output_scores=True, no forward of its own);
+    aligner runs an old-log-prob forward of the policy (timing/logprobs_s): one policy forward more per step.
+  * One optimizer or two: TRL trains policy and value model as one module (PolicyAndValueWrapper), one AdamW
+    on loss = pg_loss + vf_coef 0.1 x vf_loss with one grad-norm clip over both; aligner's critic has its own
+    AdamW and clip in the service (lr 1e-5 here) and no vf_coef (Adam's update is invariant to a constant
+    loss scale but for eps and the clip).
+  * Reward placement: TRL adds the score at the token after the first eos (sequence_lengths_p1; the last
+    token when there is no eos) and its value loss covers that extra token too; aligner puts it on the last
+    response token. The random-init policy rarely samples eos (responses ~15.5-16 tokens), so the shapes
+    match.
+  * Where the reward model runs: TRL in-process on the eos-truncated sequence; aligner in the service, read
+    at the last real token (the same token, see hf_convert). The service's critic_infer also computes the
+    co-hosted reward model's scores, which the trainer does not read: it asks the reward_model endpoint
+    again, so aligner runs the reward model twice a step (a cost of aligner's, counted as it is).
+  * TRL computes entropy statistics in the update (a softmax over the logits); aligner logs its own.
+  * Sampling order of prompts: each side shuffles arith.jsonl with seed 1234 its own way (all 4 tokens).
+
+Timing: aligner's step breakdown comes from its metrics.jsonl (timing/<phase>_s, what the actor spends in
+sequence: generate, critic_wait (collecting the values and scores requested right after generation),
+logprobs, reference, train, critic_train (collecting the critic_train reply sent before the actor's update),
+refit, critic_train_send; and the service's own seconds for its forwards (critic_infer_server: the
+critic_infer calls, values + reward scores) and its update (critic_train_server). Overlap: of the service's
+infer + train seconds, those the actor did not wait for (service seconds - (critic_wait + critic_train)),
+over the service seconds: 1.0 means every second of the service's work was hidden behind the actor's. The
+waits also hold the round trips (serialisation, HTTP, the reward_model request, whose seconds the service
+does not report), so this is a lower bound of the overlap. TRL's harness times only generate: its other is
+all the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+from bench.preference_vs_trl import OFFLINE, TRL_BENCH_DIR, TRL_PYTHON, timed
+
+TRL_PPO_PATH = Path(os.environ.get("ALIGNER_TRL_PPO_PATH", Path(TRL_PYTHON).parent.parent / "trl-1.12.0"))
+RUN = {"prompts_per_step": 32, "num_generations": 1, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0,
+       "top_k": 0, "kl_coef": 0.04, "clip_eps": 0.2, "value_clip": 0.2, "gamma": 1.0, "lam": 0.95, "lr": 1e-5,
+       "seed": 1234}  # bench_ppo.py's PPOConfig
+# what the actor spends in sequence (timing/<phase>_s), then the service's own seconds
+ACTOR = ("generate", "critic_wait", "logprobs", "reference", "train", "critic_train", "refit", "critic_train_send")
+SERVICE = ("critic_infer_server", "critic_train_server")
+SERVICE_COMMAND = ("aligner.cli", "serve", "critic")  # the embedded service's command line
+
+
+def check_installed() -> str | None:
+    """Why the TRL PPO side cannot run, or None."""
+    if not (TRL_PPO_PATH / "trl" / "experimental" / "ppo" / "ppo_trainer.py").exists():
+        return (f"no trl 1.12.0 at {TRL_PPO_PATH} (PPO only): {Path(TRL_PYTHON).parent / 'pip'} install --no-deps "
+                f"--target {TRL_PPO_PATH} trl==1.12.0, or set ALIGNER_TRL_PPO_PATH")
+    return None
+
+
+def run_trl(name: str, paths: dict, out: Path, steps: int, warmup: int, threads: int, attempt: int) -> dict:
+    """bench_ppo.py (`trl_ppo`) or bench_ppo.py --no-gc (`trl_ppo_nogc`)."""
+    algorithm = name.removeprefix("trl_")
+    results = out / "trl_results" / str(attempt)
+    env = {**os.environ, **OFFLINE, "TRL_BENCH_HOME": str(paths["trl_home"]), "TRL_BENCH_RESULTS": str(results),
+           "BENCH_STEPS": str(steps), "BENCH_WARMUP": str(warmup), "BENCH_THREADS": str(threads),
+           "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TRL_PPO_PATH), os.environ.get("PYTHONPATH")]))}
+    cmd = [TRL_PYTHON, "bench_ppo.py", *(["--no-gc"] if algorithm == "ppo_nogc" else [])]
+    load = timed(cmd, env, TRL_BENCH_DIR, out / f"{name}.{attempt}.log")
+    del load["step_cpu"]
+    r = json.loads((results / f"{algorithm}.json").read_text())
+    timed_steps = r["per_step"][warmup:]
+    scores = [log["objective/scores"] for log in r["logs"] if "objective/scores" in log][warmup:]
+    return {"step_s": r["median_step_s"], "min_step_s": r["min_step_s"],
+            "cpu_step_s": statistics.fmean(s["cpu_s"] for s in timed_steps),
+            "generated_tokens_per_step": r["gen_tokens_per_step"],
+            "phases": {"generate": r["median_gen_s_per_step"],
+                       "other": statistics.median(s["step_s"] - s["gen_time"] for s in timed_steps)},
+            "reward_mean": statistics.fmean(scores) if scores else None,
+            "trl_config": r.get("config"), "trl_version": r.get("trainer"), **load}
+
+
+def overrides(paths: dict, out: Path, run_dir: Path, steps: int, threads: int) -> list[str]:
+    """`aligner train ppo` overrides for bench_ppo.py's configuration (the module doc's mapping)."""
+    n = RUN["prompts_per_step"] * RUN["num_generations"]
+    optim = [f"lr={RUN['lr']}", "min_lr=1e-6", "scheduler=constant", "warmup_steps=0", "weight_decay=0.0",
+             "adam_beta1=0.9", "adam_beta2=0.999", "adam_eps=1e-8", "clip_grad=1.0"]
+    return [f"run_dir={run_dir}", f"tokenizer.path={paths['art'] / 'tokenizer'}",
+            f"model.pretrained={out / 'policy_mcore'}", f"reward.checkpoint={out / 'reward_mcore'}",
+            f"data.train_path={paths['art'] / 'data' / 'arith.jsonl'}",
+            f"trainer.max_steps={steps}", f"trainer.global_batch_size={n}", f"trainer.micro_batch_size={n}",
+            f"trainer.seed={RUN['seed']}", "trainer.save_last=false", "trainer.save_interval=0",
+            "trainer.val_interval=0", "reference.mode=model", "generation.batch_size=64",
+            "algorithm.advantage=gae", f"algorithm.prompts_per_step={RUN['prompts_per_step']}",
+            f"algorithm.num_generations={RUN['num_generations']}", f"algorithm.kl.coef={RUN['kl_coef']}",
+            "algorithm.kl.estimator=k1", "algorithm.kl.mode=reward", f"algorithm.clip_low={RUN['clip_eps']}",
+            "algorithm.aggregation=token_mean", "algorithm.ppo_epochs=1", f"algorithm.gamma={RUN['gamma']}",
+            f"algorithm.lam={RUN['lam']}", "algorithm.whiten_advantages=true",
+            f"sampling.max_new_tokens={RUN['max_new_tokens']}", f"sampling.temperature={RUN['temperature']}",
+            f"sampling.top_p={RUN['top_p']}", f"sampling.top_k={RUN['top_k']}",
+            *(f"optim.{o}" for o in optim),
+            f"critic.trainer.global_batch_size={n}", f"critic.trainer.micro_batch_size={n}",
+            "critic.trainer.epochs=1", f"critic.trainer.loss_clip={RUN['value_clip']}",
+            f"critic.trainer.seed={RUN['seed']}", *(f"critic.optim.{o}" for o in optim),
+            f"critic.launcher.threads_per_rank={threads}", f"launcher.threads_per_rank={threads}",
+            "logging.tensorboard=false", "logging.progress=false"]
+
+
+def is_service(cmdline: list[str]) -> bool:
+    return any(cmdline[i:i + len(SERVICE_COMMAND)] == list(SERVICE_COMMAND) for i in range(len(cmdline)))
+
+
+def phases(metrics: list[dict]) -> dict:
+    """Medians over the timed steps of each timing/<phase>_s, and `other`: the step less what the
+    actor spent in sequence."""
+    out = {p: statistics.median(m.get(f"timing/{p}_s", 0.0) for m in metrics) for p in (*ACTOR, *SERVICE)}
+    out["other"] = statistics.median(m["timing/step_s"] - sum(m.get(f"timing/{p}_s", 0.0) for p in ACTOR)
+                                     for m in metrics)
+    return out
+
+
+def overlap(metrics: list[dict]) -> dict:
+    """Over the timed steps, per step: the service's seconds (infer + train), the actor's seconds waiting
+    for them (critic_wait + critic_train), the hidden seconds (service - wait, at least 0) and the hidden
+    fraction of the service's seconds (sum over the steps / sum)."""
+    service = [sum(m.get(f"timing/{p}_s", 0.0) for p in SERVICE) for m in metrics]
+    wait = [m.get("timing/critic_wait_s", 0.0) + m.get("timing/critic_train_s", 0.0) for m in metrics]
+    hidden = [max(0.0, s - w) for s, w in zip(service, wait)]
+    return {"service_s": statistics.median(service), "wait_s": statistics.median(wait),
+            "hidden_s": statistics.median(hidden), "hidden_fraction": sum(hidden) / max(sum(service), 1e-9)}
+
+
+def floor_flops(per_token: int, per_token_scalar: int, samples: int, prompt_tokens: float,
+                response_tokens: float) -> dict:
+    """A PPO step's dense matmul FLOPs that every implementation must spend (rl_vs_trl.matmul_floor's
+    rules): generating, one reference forward, one value and one reward forward (a scalar head), the
+    policy's and the value model's forward + backward. The old log-probs come free with the sampling."""
+    tokens = samples * (prompt_tokens + response_tokens)
+    return {"generate": per_token * samples * (prompt_tokens + response_tokens - 1), "reference": per_token * tokens,
+            "critic_infer": 2 * per_token_scalar * tokens, "train": 3 * per_token * tokens,
+            "critic_train": 3 * per_token_scalar * tokens}
+
+
+def report(summary: dict) -> None:
+    rows = {k: s for k, s in summary.items() if s["algorithm"] == "ppo"}
+    if not rows:
+        return
+    print("\nPPO: where a step goes (seconds, median over the timed steps, then over attempts). aligner: what the "
+          "actor spends in sequence (critic wait = collecting the values and scores asked for after generation; "
+          "critic train = collecting the critic_train reply sent before the actor's update), then the service's "
+          "own seconds beside it; other = the step less the actor's phases. TRL's harness times only generate.\n")
+    cols = (*ACTOR, "other", *SERVICE)
+    print(f"| run | step | {' | '.join(c.replace('_', ' ') for c in cols)} |")
+    print("|---|---|" + "---|" * len(cols))
+    for name, s in rows.items():
+        cells = [f"{s['phases'][p]:.4f}" if p in s["phases"] else "" for p in cols]
+        print(f"| {name} | {s['step_s']:.4f} | {' | '.join(cells)} |")
+    for name, s in rows.items():
+        if "overlap" in s:
+            o = s["overlap"]
+            print(f"\n{name}: the service worked {o['service_s']:.4f} s a step (infer + train), the actor waited "
+                  f"{o['wait_s']:.4f} s for it (critic wait + critic train): {o['hidden_s']:.4f} s a step hidden "
+                  f"behind the actor's work, {100 * o['hidden_fraction']:.0f} % of the service's seconds (a lower "
+                  f"bound: the waits include the round trips); the service's process tree used "
+                  f"{s['service_cpu_step_s']:.4f} of the {s['cpu_step_s']:.4f} CPU s/step")
+        if "ratio_cpu_nogc" in s:
+            print(f"{name} against TRL without its gc.collect calls (trl_ppo_nogc, the baseline's diagnostic): "
+                  f"{s['ratio_cpu_nogc']:.2f}x CPU s/step (per round "
+                  f"{' / '.join(f'{x:.2f}' for x in s['ratio_cpu_nogc_per_round'])})")
