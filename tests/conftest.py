@@ -1,7 +1,7 @@
 """Shared fixtures and helpers (test modules import the helpers as `from tests.conftest import ...`):
-the tiny tokenizers and synthetic data, built once per test session; running the `aligner` CLI in a
-subprocess (each run gets a clean process, like a user's) and reading its metrics; a tiny model on
-this one process."""
+the tiny tokenizers and synthetic data, the online-RL assets (an SFT policy and prompt files) and a
+local Slurm cluster, each built once per test session; running the `aligner` CLI in a subprocess (each
+run gets a clean process, like a user's) and reading its metrics; a tiny model on this one process."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+REWARDS = "tests.rl_reward_fixtures"  # reward functions for the RL tests (module:function)
 
 
 @pytest.fixture(scope="session")
@@ -121,3 +122,42 @@ def build_single_process_gpt(seed: int, *, policy: bool = False, vocab_size: int
     cfg = OmegaConf.structured(ModelConfig)
     cfg.update(model_fields)
     return (build_policy if policy else build_gpt)(cfg, vocab_size)
+
+
+@pytest.fixture(scope="session")
+def rl_assets(tiny_assets, tmp_path_factory):
+    """An arithmetic SFT policy (40 steps) and prompt files: arithmetic prompts, and prompts whose
+    record asks for the string "7" (`emits_target`), every third one unscorable (`unscorable_when`)."""
+    from aligner.data.synthetic import write_arithmetic_prompts, write_sft_chat
+
+    root = tmp_path_factory.mktemp("rl")
+    write_sft_chat(root / "sft.jsonl", 400, seed=1, max_operand=9)
+    write_arithmetic_prompts(root / "prompts.jsonl", 200, seed=3, max_operand=9)
+    write_arithmetic_prompts(root / "val.jsonl", 16, seed=4, max_operand=9)
+    records = [json.loads(line) for line in (root / "prompts.jsonl").read_text().splitlines()]
+    write_jsonl_lines(root / "target.jsonl", [json.dumps({**r, "target": "7", "unscorable": i % 3 == 0})
+                                              for i, r in enumerate(records)])
+    result = run_cli("train", "sft", f"run_dir={root / 'sft'}", f"data.train_path={root / 'sft.jsonl'}",
+                     f"tokenizer.path={tiny_assets / 'tokenizer'}", "trainer.max_steps=40", "optim.lr=3e-3",
+                     "optim.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A local Slurm cluster of 2 fake nodes (scripts/slurm_local.sh); its environment for sbatch & co."""
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm cluster needs root (scripts/slurm_local.sh)")
+    start = subprocess.run(["bash", "scripts/slurm_local.sh", "start"], cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+    assert start.returncode == 0, start.stderr
+    conf = start.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    yield {**os.environ, "SLURM_CONF": conf}
+    subprocess.run(["bash", "scripts/slurm_local.sh", "stop"], cwd=REPO, capture_output=True, timeout=120)
+
+
+def job_field(env, job: str, field: str) -> str:
+    """One field of `scontrol show job -o JOB` ('' when absent)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return next((kv.split("=", 1)[1] for kv in out.split() if kv.startswith(field + "=")), "")

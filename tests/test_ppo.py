@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -18,8 +20,7 @@ import pytest
 
 from aligner.algorithms.ppo import Service
 from aligner.servers.client import OK, TIMEOUT, SampleResult, Values
-from tests.conftest import read_metrics, run_cli, start_cli
-from tests.test_rl_loop import REWARDS, rl_assets  # noqa: F401 - the module fixture, shared
+from tests.conftest import REPO, REWARDS, job_field, read_metrics, run_cli, start_cli
 
 KEYS = ("reward/mean", "loss", "grad_norm", "kl/mean", "value/loss", "returns/mean", "value/explained_variance",
         "advantages/mean", "response_length/mean")
@@ -176,3 +177,96 @@ def test_a_wrong_service_layout_is_refused_before_start(tiny_assets, rl_assets, 
     result = run_cli(*ppo_args(tiny_assets, rl_assets, tmp_path / "run", "critic.url=nohost"))
     assert result.returncode == 2 and "critic.url must be host:port" in result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_first_step_with_a_tp2_actor_and_a_tp2_service_matches_one_process(tiny_assets, rl_assets, straight,
+                                                                           tmp_path):
+    """A TP=2 actor (two ranks of the embedded launcher) and a TP=2 critic service (its own two ranks):
+    the first step's samples are the one-process run's, its losses, values and gradients equal to
+    float tolerance."""
+    metrics = ppo(tiny_assets, rl_assets, tmp_path / "run", *SIX_STEPS[2:], "trainer.max_steps=1",
+                  "launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2",
+                  "critic.launcher.nproc_per_node=2", "critic.parallel.tensor_model_parallel_size=2")
+    first, ref = metrics[-1], straight[0]
+    assert first["step"] == ref["step"] == 1
+    for key in ("reward/mean", "response_length/mean", "fraction/ended"):
+        assert first[key] == ref[key], key  # the same samples: seeds per sample, not per rank
+    for key in ("loss", "grad_norm", "kl/mean", "value/mean", "returns/mean", "advantages/std", "value/loss",
+                "value/explained_variance", "policy/clip_fraction"):
+        assert first[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+
+
+# ------------------------------------------------------------------ slurm/ppo.sbatch on the local Slurm cluster
+ONE_TASK = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=1"]
+
+
+@pytest.fixture()
+def slurm_env(slurm):
+    """aligner from this checkout's environment on PATH, as a user's job finds it; the tests' reward module."""
+    return {**slurm, "PATH": f"{os.path.dirname(sys.executable)}:{slurm['PATH']}", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO)}
+
+
+def _submit_hetjob(env, out, args) -> str:
+    """slurm/ppo.sbatch with one task on one node for each component (service : actor)."""
+    submit = subprocess.run(["sbatch", "--parsable", f"--output={out}", *ONE_TASK, ":", *ONE_TASK, "slurm/ppo.sbatch",
+                             *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert submit.returncode == 0, submit.stderr
+    return submit.stdout.strip().split(";")[0]
+
+
+def _job_log(out) -> str:
+    return out.read_text() if out.exists() else "(no job output yet)"
+
+
+def test_the_hetjob_stops_on_usr1_requeues_and_both_sides_resume_exactly(tiny_assets, rl_assets, straight,
+                                                                         slurm_env, tmp_path):
+    """Component 0 serves the critic, component 1 trains; SIGUSR1 after step 3 reaches both: the actor
+    saves the critic and itself at one step and exits 75, the script requeues the job, and the requeued
+    job resumes both sides and ends with the uninterrupted embedded run's metrics."""
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    job = _submit_hetjob(slurm_env, out, ppo_args(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=60")[2:])
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3):
+            assert job_field(slurm_env, job, "JobState") in ("PENDING", "CONFIGURING", "RUNNING"), _job_log(out)
+            assert time.monotonic() < deadline, _job_log(out)
+            time.sleep(0.1)
+        signalled = subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, capture_output=True, text=True)
+        assert signalled.returncode == 0, signalled.stderr
+        deadline = time.monotonic() + 600
+        while (state := (job_field(slurm_env, job, "JobState"), job_field(slurm_env, job, "Restarts"))) \
+                != ("COMPLETED", "1"):
+            assert state[0] in ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "COMPLETING"), (state, _job_log(out))
+            assert time.monotonic() < deadline, (state, _job_log(out))
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
+    log = out.read_text()
+    assert "start 1; service on node1, actor on node2" in log and "start 2;" in log, log
+    assert "stopped at a checkpoint; requeueing job" in log, log
+    stop_step = next(int(line.rsplit("step", 1)[1].split(",")[0]) for line in log.splitlines()
+                     if "stopped on SIGUSR1 after step" in line)
+    assert 3 <= stop_step < 6
+    steps = lambda d: sorted(p.name for p in d.iterdir())  # noqa: E731
+    assert f"step_{stop_step:06d}" in steps(run_dir / "checkpoints") == steps(run_dir / "critic/checkpoints")
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 7))  # every step once, none lost
+    for ours, ref in zip(metrics, straight):
+        for key in KEYS + ("kl/coef",):
+            assert ours[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), (ours["step"], key)
+
+
+def test_a_hetjob_too_small_for_the_service_fails_before_anything_starts(tiny_assets, rl_assets, slurm_env,
+                                                                         tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    job = _submit_hetjob(slurm_env, out, ppo_args(tiny_assets, rl_assets, run_dir,
+                                                  "critic.parallel.tensor_model_parallel_size=2")[2:])
+    deadline = time.monotonic() + 120
+    while (state := job_field(slurm_env, job, "JobState")) not in ("FAILED", "COMPLETED"):
+        assert time.monotonic() < deadline, (state, _job_log(out))
+        time.sleep(0.5)
+    log = _job_log(out)
+    assert state == "FAILED" and "error: slurm/ppo.sbatch" in log, log
+    assert "the service (component 0) has 1 tasks" in log and "Traceback" not in log, log
+    assert not run_dir.exists()

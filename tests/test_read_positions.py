@@ -63,8 +63,9 @@ def test_read_positions_give_the_full_forward_outputs_and_gradients(head):
     read = mask.bool()
     assert torch.allclose(part[read], full[read], atol=1e-6, rtol=1e-5)
     assert not torch.allclose(part[~read], full[~read])  # the unread positions really were skipped
-    for name, grad in full_grads.items():
-        assert torch.allclose(part_grads[name], grad, atol=1e-6, rtol=1e-5), name
+    for name, grad in full_grads.items():  # equal up to fp32 summation order, which differs by CPU (AVX2/AVX-512)
+        atol = 1e-6 * max(1.0, grad.abs().max().item())
+        assert torch.allclose(part_grads[name], grad, atol=atol, rtol=1e-5), name
 
 
 def test_no_read_rows_and_the_cases_left_alone():
@@ -134,5 +135,6 @@ def test_flat_packed_row_reads_only_its_masked_positions():
     assert attended == [length, int(loss_mask.sum())]
     read = loss_mask.bool()
     assert torch.allclose(part[read], full[read], atol=1e-6, rtol=1e-5)
-    for name, grad in full_grads.items():
-        assert torch.allclose(part_grads[name], grad, atol=1e-6, rtol=1e-5), name
+    for name, grad in full_grads.items():  # equal up to fp32 summation order, which differs by CPU (AVX2/AVX-512)
+        atol = 1e-6 * max(1.0, grad.abs().max().item())
+        assert torch.allclose(part_grads[name], grad, atol=atol, rtol=1e-5), name

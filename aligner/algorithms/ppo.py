@@ -6,7 +6,9 @@ of `reward.checkpoint`). With no `critic.url`, global rank 0 starts it as a chil
 loopback ports with its own ranks and layout (`critic.launcher`, `critic.parallel`), waits for it with a
 deadline and stops it at the end, on error and on Ctrl-C; on resume it is started from the critic
 checkpoint of the actor's step. With `critic.url` it connects to a running service (its `reward_model`
-endpoint scores unless `reward.url` names a separate reward server) and tells it to load that step.
+endpoint scores when `reward.checkpoint` names the model it co-hosts, `reward.url` a separate reward
+server) and tells it to load that step. slurm/ppo.sbatch runs both sides as one heterogeneous job
+(`aligner/launch/hetjob.py`).
 """
 from __future__ import annotations
 
@@ -231,8 +233,8 @@ def critic_service(cfg, step: int):
                      time.monotonic() - started, server.log_path)
             url = f"{server.host}:{server.port}"
             reward_url = r.url or (url if r.checkpoint else None)
-        else:
-            url, reward_url = c.url, r.url or c.url
+        else:  # reward.checkpoint: the reward model that service co-hosts scores
+            url, reward_url = c.url, r.url or (c.url if r.checkpoint else None)
         service = Service(url, reward_url, c.timeout_s, c.save_timeout_s, scorer)
         try:
             service.wait_ready(c.startup_timeout_s)

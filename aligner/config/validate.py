@@ -149,7 +149,7 @@ def validate_rl(cfg, dp: int) -> None:
     if a.baseline_ended_only and a.advantage not in ("grpo", "dr_grpo", "rloo"):
         raise ConfigError("algorithm.baseline_ended_only applies to the group baselines grpo, dr_grpo and rloo")
     r = cfg.reward
-    if not (r.functions or r.url or r.get("checkpoint") or (ppo and cfg.critic.url)):
+    if not (r.functions or r.url or r.get("checkpoint")):
         raise ConfigError("no reward: set reward.functions=[name or package.module:function, ...] and/or "
                           "reward.url=host:port of a reward or verifier server"
                           + (" or reward.checkpoint=RM_DIR (served with the critic)" if ppo else ""))
@@ -175,8 +175,8 @@ def validate_ppo(cfg) -> None:
         raise ConfigError("PPO puts the KL into the token rewards (algorithm.kl.mode=reward) or leaves it out (none)")
     if a.scores.clip is not None and a.scores.clip <= 0:
         raise ConfigError(f"algorithm.scores.clip must be > 0, got {a.scores.clip}")
-    if c.timeout_s <= 0 or c.startup_timeout_s <= 0:
-        raise ConfigError("critic.timeout_s and critic.startup_timeout_s must be > 0")
+    if min(c.timeout_s, c.startup_timeout_s, c.save_timeout_s) <= 0:
+        raise ConfigError("critic.timeout_s, critic.startup_timeout_s and critic.save_timeout_s must be > 0")
     if c.url is None:
         if c.checkpoint is None and cfg.reward.checkpoint is None:
             raise ConfigError("the embedded critic needs initial weights: set reward.checkpoint=RM_DIR (the critic "
@@ -189,12 +189,8 @@ def validate_ppo(cfg) -> None:
         if heads % c.parallel.tensor_model_parallel_size:
             raise ConfigError(f"critic.parallel.tensor_model_parallel_size={c.parallel.tensor_model_parallel_size} "
                               f"does not divide the model's {heads} attention heads")
-    else:
+    else:  # reward.checkpoint then names the reward model the running service co-hosts (it scores)
         _host_port("critic.url", c.url)
-        if cfg.reward.checkpoint:
-            raise ConfigError("reward.checkpoint starts a reward model in the embedded service; with critic.url the "
-                              "service runs already: leave reward.checkpoint unset (its reward_model endpoint is "
-                              "used) or point reward.url at a separate reward server")
 
 
 def _host_port(key: str, value: str) -> None:

@@ -15,11 +15,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from aligner.runtime.ports import free_port
-from aligner.runtime.preemption import EXIT_PREEMPTED, STOP_SIGNAL, requested as stop_requested
+from aligner.runtime import preemption
+from aligner.runtime.preemption import EXIT_PREEMPTED, STOP_SIGNAL
 
 
 class RankFailed(RuntimeError):
@@ -66,19 +68,20 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
         _stop(procs)
         raise KeyboardInterrupt(f"signal {signum}")
 
-    def pass_on(signum, frame):
-        asked.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+    starting = threading.RLock()  # a request that comes while ranks start is passed on once they all exist
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, STOP_SIGNAL)}
+    def pass_on():  # from preemption's waiting thread
+        with starting:
+            asked.append(STOP_SIGNAL)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(STOP_SIGNAL)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     ended_well = (0, EXIT_PREEMPTED)  # done, or stopped at a checkpoint with the others
+    preemption.install()  # ranks start with SIGUSR1 blocked (the mask survives exec) and take it in theirs
     try:
-        # Ranks start with SIGUSR1 blocked (the mask survives exec) until their handler is in place, so
-        # a stop request sent to a starting rank waits for it instead of killing it.
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [STOP_SIGNAL])
-        try:
+        with starting:
             for rank in range(nproc):
                 error_file = log_dir / f"rank_{rank}.error"
                 error_file.unlink(missing_ok=True)
@@ -91,11 +94,9 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
                                               stdout=out, stderr=subprocess.STDOUT if out else None))
             signal.signal(signal.SIGTERM, forward)
             signal.signal(signal.SIGINT, forward)
-            signal.signal(STOP_SIGNAL, pass_on)
-            if stop_requested():  # this process was asked before its ranks existed
-                pass_on(STOP_SIGNAL, None)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a request that came meanwhile is passed on now
+            preemption.on_request(pass_on)
+            if preemption.requested():  # this process was asked before its ranks existed
+                pass_on()
         failed = None
         while failed is None and any(p.poll() is None for p in procs):
             failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, *ended_well)), None)
@@ -110,6 +111,8 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
             why = "on SIGUSR1" if asked else "(exit 75; rank 0 said why above)"
             raise RanksPreempted(f"{nproc} ranks stopped at a checkpoint {why}; resume with the same run_dir")
     finally:
+        if pass_on in preemption._listeners:
+            preemption.off_request(pass_on)
         for s, handler in previous.items():
             signal.signal(s, handler)
         for f in logs:

@@ -11,10 +11,13 @@ turns into `scontrol requeue`. A resumed run continues from that checkpoint.
 SIGTERM keeps its default meaning (stop now): Slurm sends it at the hard end of a job, when a
 checkpoint can no longer be waited for.
 
-The handler is installed first thing in `aligner train`/`aligner serve` and in every launched rank,
-before torch is imported, because SIGUSR1's default action kills the process. The embedded launcher
-starts its ranks with SIGUSR1 blocked, so that a request reaching a rank before its handler waits for
-it instead. Servers install the same handler and never read the flag: SIGUSR1 does not stop them.
+`install` runs first thing in `aligner train`/`aligner serve` and in every launched rank, before torch
+is imported, because SIGUSR1's default action kills a process. It does not install a handler: it
+blocks SIGUSR1 and takes it in one waiting thread. A signal mask survives fork and exec, so every
+process this one starts (checkpoint writers, reward workers, tritonserver, ranks) starts with it
+blocked too; Slurm signals every process of a job step, and with a handler (which exec resets) those
+helpers would die instead. A request that reaches a rank before its own `install` waits for it.
+Servers install the same and never read the flag: SIGUSR1 does not stop them.
 This module imports torch only when `stop_agreed` runs.
 """
 from __future__ import annotations
@@ -26,6 +29,8 @@ EXIT_PREEMPTED = 75
 STOP_SIGNAL = signal.SIGUSR1
 
 _requested = threading.Event()
+_listeners: list = []
+_waiter: threading.Thread | None = None
 
 
 class Preempted(SystemExit):
@@ -40,11 +45,32 @@ class Preempted(SystemExit):
 
 
 def install() -> None:
-    """Catch SIGUSR1 in this process (from the main thread; elsewhere Python cannot install handlers),
-    then unblock it: a request that arrived while it was blocked (see `launch`) is taken now."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(STOP_SIGNAL, lambda signum, frame: _requested.set())
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [STOP_SIGNAL])
+    """Block SIGUSR1 in this process and in every process and thread it starts from now on, and take it in
+    a waiting thread that sets the flag and calls the `on_request` listeners. Idempotent; call it from
+    the main thread before any other thread exists (their masks are copied from their creator)."""
+    global _waiter
+    if _waiter is not None or threading.current_thread() is not threading.main_thread():
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, [STOP_SIGNAL])
+    _waiter = threading.Thread(target=_take_requests, name="aligner-sigusr1", daemon=True)
+    _waiter.start()
+
+
+def _take_requests() -> None:
+    while True:
+        signal.sigwait([STOP_SIGNAL])
+        _requested.set()
+        for listener in list(_listeners):
+            listener()
+
+
+def on_request(listener) -> None:
+    """Call `listener()` (from the waiting thread) at each SIGUSR1; `install` first."""
+    _listeners.append(listener)
+
+
+def off_request(listener) -> None:
+    _listeners.remove(listener)
 
 
 def requested() -> bool:

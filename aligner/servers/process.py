@@ -27,6 +27,12 @@ MODELS = {"reward": ("reward_model",), "critic": ("critic_infer", "critic_train"
           "verifier": ("verifier",)}
 
 
+# A server is a job of its own: started from a training rank (PPO's embedded service) it must not take that
+# rank's place in the trainer's process group, nor think an outer launcher started it.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "ALIGNER_ERROR_FILE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
 class ServerFailed(RuntimeError):
     pass
 
@@ -58,7 +64,8 @@ class ServerProcess:
         self.log_path = self.run_dir / "server.log"
         self.command = [sys.executable, "-m", "aligner.cli", "serve", kind, f"run_dir={self.run_dir}",
                         f"server.host={host}", f"server.port={port}", f"server.ready_file={self.ready_file}", *overrides]
-        self.env = {**os.environ, **(env or {})}
+        self.env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+        self.env.update(env or {})
         self.proc: subprocess.Popen | None = None
         self._terminated = False
         self.tree: set[int] = set()  # every pid seen in the server's process tree
