@@ -47,6 +47,12 @@ What still differs (the work a step does is the same unless said):
     at the last real token (the same token, see hf_convert). The service's critic_infer also computes the
     co-hosted reward model's scores, which the trainer does not read: it asks the reward_model endpoint
     again, so aligner runs the reward model twice a step (a cost of aligner's, counted as it is).
+  * Forward batches: the service's forwards (values, scores) run in micro-batches of 8 rows (its
+    server.forward_micro_batch_size default, which `aligner train ppo` does not pass on to the embedded
+    service), 4 passes over the 32 rows where TRL makes one; the critic's update uses micro-batches of 32.
+  * Stopping: TRL's PPO samples all 16 tokens of every row (its generation config has no eos) and cuts
+    each response after its first eos afterwards; aligner stops a row at its eos, but the batch decodes
+    until its last row ends (16 steps nearly always). Hence 512 generated tokens a step for TRL, ~500 here.
   * TRL computes entropy statistics in the update (a softmax over the logits); aligner logs its own.
   * Sampling order of prompts: each side shuffles arith.jsonl with seed 1234 its own way (all 4 tokens).
 
@@ -54,12 +60,22 @@ Timing: aligner's step breakdown comes from its metrics.jsonl (timing/<phase>_s,
 sequence: generate, critic_wait (collecting the values and scores requested right after generation),
 logprobs, reference, train, critic_train (collecting the critic_train reply sent before the actor's update),
 refit, critic_train_send; and the service's own seconds for its forwards (critic_infer_server: the
-critic_infer calls, values + reward scores) and its update (critic_train_server). Overlap: of the service's
-infer + train seconds, those the actor did not wait for (service seconds - (critic_wait + critic_train)),
-over the service seconds: 1.0 means every second of the service's work was hidden behind the actor's. The
-waits also hold the round trips (serialisation, HTTP, the reward_model request, whose seconds the service
-does not report), so this is a lower bound of the overlap. TRL's harness times only generate: its other is
-all the rest.
+critic_infer calls, values + reward scores) and its update (critic_train_server). Overlap (`overlap`): of
+the service's seconds, those the actor did not wait for, per part (critic_infer_server - critic_wait: the
+values and scores against the actor's old-log-prob and reference forwards; critic_train_server -
+critic_train: the critic's update against the actor's), over the service's seconds: 1.0 means every second
+of the service's work was hidden behind the actor's. The waits also hold the round trips (serialisation,
+HTTP, the reward_model request, whose seconds the service does not report), so this is a lower bound.
+TRL's harness times only generate: its other is all the rest.
+
+Measured (2026-11-26, `python bench/rl_vs_trl.py --repeats 2 --only trl_grpo aligner_grpo trl_ppo trl_ppo_nogc
+aligner_ppo`, run twice, 1 thread; other processes used 0.9-1.7 cores throughout, so only the CPU figures
+are kept, which agreed between the runs): CPU s/step over steps 6..30, the 4 attempts of each
+  trl_ppo 0.77-0.85 (the baseline's quiet 1-thread figure: 0.79), trl_ppo_nogc 0.33-0.36,
+  aligner_ppo 0.57-0.62, of which its service's process tree 0.30-0.32;
+  TRL / aligner 1.28-1.40x per paired round (median 1.34-1.35x per run): the 3x target (<= ~0.26 CPU s/step)
+  is not met; against trl_ppo_nogc 0.53-0.59x. PPO's matmul floor was 0.076-0.092 s a step.
+The wall times and the overlap moved with the foreign load (the service's hidden share 26-44 % per attempt).
 """
 from __future__ import annotations
 
@@ -151,14 +167,23 @@ def phases(metrics: list[dict]) -> dict:
 
 
 def overlap(metrics: list[dict]) -> dict:
-    """Over the timed steps, per step: the service's seconds (infer + train), the actor's seconds waiting
-    for them (critic_wait + critic_train), the hidden seconds (service - wait, at least 0) and the hidden
-    fraction of the service's seconds (sum over the steps / sum)."""
-    service = [sum(m.get(f"timing/{p}_s", 0.0) for p in SERVICE) for m in metrics]
-    wait = [m.get("timing/critic_wait_s", 0.0) + m.get("timing/critic_train_s", 0.0) for m in metrics]
-    hidden = [max(0.0, s - w) for s, w in zip(service, wait)]
-    return {"service_s": statistics.median(service), "wait_s": statistics.median(wait),
-            "hidden_s": statistics.median(hidden), "hidden_fraction": sum(hidden) / max(sum(service), 1e-9)}
+    """How much of the service's work the actor did not wait for, over the timed steps. Two parts, each
+    per step: infer (the service's critic_infer seconds against the actor's critic_wait, which comes after
+    its old-log-prob and reference forwards) and train (critic_train_server against the actor's
+    critic_train wait, after its own update and refit); hidden = service - wait, at least 0. Means over
+    the steps of each part's service, wait and hidden seconds, and the hidden fraction of the service's
+    seconds (mean hidden over mean service) per part and in all."""
+    parts = {"infer": ("critic_infer_server", "critic_wait"), "train": ("critic_train_server", "critic_train")}
+    out, hidden_all, service_all = {}, 0.0, 0.0
+    for part, (work, wait) in parts.items():
+        service = [m.get(f"timing/{work}_s", 0.0) for m in metrics]
+        waited = [m.get(f"timing/{wait}_s", 0.0) for m in metrics]
+        hidden = [max(0.0, s - w) for s, w in zip(service, waited)]
+        out[part] = {"service_s": statistics.fmean(service), "wait_s": statistics.fmean(waited),
+                     "hidden_s": statistics.fmean(hidden), "hidden_fraction": sum(hidden) / max(sum(service), 1e-9)}
+        hidden_all, service_all = hidden_all + sum(hidden), service_all + sum(service)
+    out["hidden_fraction"] = hidden_all / max(service_all, 1e-9)
+    return out
 
 
 def floor_flops(per_token: int, per_token_scalar: int, samples: int, prompt_tokens: float,
@@ -189,11 +214,14 @@ def report(summary: dict) -> None:
     for name, s in rows.items():
         if "overlap" in s:
             o = s["overlap"]
-            print(f"\n{name}: the service worked {o['service_s']:.4f} s a step (infer + train), the actor waited "
-                  f"{o['wait_s']:.4f} s for it (critic wait + critic train): {o['hidden_s']:.4f} s a step hidden "
-                  f"behind the actor's work, {100 * o['hidden_fraction']:.0f} % of the service's seconds (a lower "
-                  f"bound: the waits include the round trips); the service's process tree used "
-                  f"{s['service_cpu_step_s']:.4f} of the {s['cpu_step_s']:.4f} CPU s/step")
+            parts = "; ".join(f"{part}: the service {o[part]['service_s']:.4f} s, the actor waited "
+                              f"{o[part]['wait_s']:.4f} s, hidden {o[part]['hidden_s']:.4f} s "
+                              f"({100 * o[part]['hidden_fraction']:.0f} %)" for part in ("infer", "train"))
+            print(f"\n{name}, the service's work beside the actor's (means over the timed steps): {parts}; in all "
+                  f"{100 * o['hidden_fraction']:.0f} % of the service's seconds hidden behind the actor's work (a "
+                  f"lower bound: the waits include the round trips and the reward_model request, whose seconds the "
+                  f"service does not report). The service's process tree used {s['service_cpu_step_s']:.4f} of the "
+                  f"{s['cpu_step_s']:.4f} CPU s/step.")
         if "ratio_cpu_nogc" in s:
             print(f"{name} against TRL without its gc.collect calls (trl_ppo_nogc, the baseline's diagnostic): "
                   f"{s['ratio_cpu_nogc']:.2f}x CPU s/step (per round "

@@ -42,6 +42,11 @@ Where the two sides still differ (neither changes the work a step does, except w
   * Sampling order of prompts: each side shuffles arith.jsonl with seed 1234 in its own way; every
     prompt is 4 tokens, and the random-init policy almost never samples eos (responses ~16 tokens),
     so the shapes match step for step.
+
+Measured (2026-11-26, --repeats 2 over trl_grpo aligner_grpo and the PPO cases, run twice, 1 thread; other
+processes used 0.9-1.7 cores, so only CPU figures are kept): GRPO CPU s/step trl_grpo 0.21-0.22,
+aligner_grpo 0.20-0.21, TRL / aligner 0.99-1.08x per paired round (the 3x target is not met); PPO: see
+bench/rl_ppo.py (1.28-1.40x).
 """
 from __future__ import annotations
 
@@ -306,7 +311,9 @@ def summarize(todo: dict, runs: dict) -> dict:
              "other_cores_max": max(r["other_cores"] for r in mine)}
         if "overlap" in mine[0]:
             s["service_cpu_step_s"] = statistics.median(r["service_cpu_step_s"] for r in mine)
-            s["overlap"] = {k: statistics.median(r["overlap"][k] for r in mine) for k in mine[0]["overlap"]}
+            s["overlap"] = {part: ({k: statistics.median(r["overlap"][part][k] for r in mine) for k in value}
+                                   if isinstance(value, dict) else statistics.median(r["overlap"][part] for r in mine))
+                            for part, value in mine[0]["overlap"].items()}
         nogc = runs.get(f"trl_{algorithm}_nogc", [])
         if not name.startswith("trl_") and nogc:
             s["ratio_cpu_nogc_per_round"] = [p["cpu_step_s"] / r["cpu_step_s"] for p, r in zip(nogc, mine)]
