@@ -125,11 +125,11 @@ def test_a_stalled_service_changes_nothing_a_killed_one_stops_the_run_and_the_re
     assert all(m["fraction/unscored"] == 0.0 for m in resumed)  # no sample was lost to the stall
 
 
-def _collect(timeout_s: float, answers: list[Values], ready: bool):
+def _collect(timeout_s: float, answers: list[Values], ready: bool, reward_url: str | None = None):
     """Service.collect of two samples (prompt [5, 6], response [7, 8]) whose values request got answers[0];
     each time it is asked again the critic gives the next answer (the last one repeated) and its
     readiness is `ready`. No service runs."""
-    service = Service("127.0.0.1:9", None, timeout_s, 60.0, None)
+    service = Service("127.0.0.1:9", reward_url, timeout_s, 60.0, None)
     again = iter(answers[1:])
 
     def answered(answer) -> Future:
@@ -143,6 +143,25 @@ def _collect(timeout_s: float, answers: list[Values], ready: bool):
                              sequence=lambda: ([5, 6, 7, 8], None))
     try:
         return service.collect([(2, answered(answers[0]), None, None)], [sample, sample])
+    finally:
+        service.close()
+
+
+def test_the_cohosted_reward_model_scores_come_with_the_values():
+    """reward.checkpoint co-hosted by the critic service (reward URL = critic URL): its scores are read
+    from the values reply, and no reward_model request is sent beside it."""
+    values = tuple(SampleResult(OK, np.arange(4, dtype=np.float32)) for _ in range(2))
+    _, scores, _ = _collect(5.0, [Values(values, 0.1, np.array([[0.25], [-1.5]], dtype=np.float32))], ready=True,
+                            reward_url="127.0.0.1:9")
+    assert scores == [0.25, -1.5]
+    service = Service("127.0.0.1:9", "127.0.0.1:9", 5.0, 60.0, None)
+    try:
+        service.critic.values = lambda sequences: "values"
+        service.reward.score = lambda sequences: pytest.fail("the reward model asked twice")
+        sample = SimpleNamespace(sequence=lambda: ([5, 6, 7, 8], None))
+        assert service.submit([sample], tokenizer=None) == (1, "values", None, None)
+        service.reward.score = lambda sequences: "scores"  # validation asks for scores only
+        assert service.submit([sample], tokenizer=None, values=False) == (1, None, "scores", None)
     finally:
         service.close()
 

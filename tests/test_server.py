@@ -180,6 +180,7 @@ def test_critic_cohosts_the_reward_model(world, reference):
         served = rewards.score(seqs).result(timeout=60)
         after = critic.values(seqs).result(timeout=60)  # the critic's weights came back intact
     assert np.abs(served.values - _served_rm2(reference["rm2"][:12])).max() < 1e-5
+    assert np.abs(before.rewards - served.values).max() < 1e-5  # the values reply carries them (PPO reads them)
     assert all(np.array_equal(a.value, b.value) for a, b in zip(before.results, after.results))
     # initialised from rm1 (one output, so its head too): the value at the last token is rm1's reward
     last = np.array([r.value[-1] for r in before.results])

@@ -77,6 +77,9 @@ class Service:
         self.where, self.timeout_s, self.save_timeout_s, self.scorer = critic_url, timeout_s, save_timeout_s, scorer
         self.critic = CriticClient(host, port, timeout_s=timeout_s, train_timeout_s=timeout_s,
                                    save_timeout_s=save_timeout_s, retries=retries, backoff_s=RETRY_BACKOFF_S)
+        # the reward model the critic service co-hosts scores in the values reply (one forward, not two),
+        # and through its reward_model endpoint when no values are asked for (validation)
+        self.cohosted = reward_url == critic_url
         self.reward = None
         if reward_url is not None:
             rhost, rport = _host_port(reward_url)
@@ -106,8 +109,9 @@ class Service:
         if self.scorer is not None:
             texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
             functions = self.scorer.submit([s.prompt.text for s in samples], texts, [s.prompt.fields for s in samples])
+        scores = self.reward is not None and not (values and self.cohosted)
         return (len(samples), self.critic.values(sequences) if values else None,
-                self.reward.score(sequences) if self.reward is not None else None, functions)
+                self.reward.score(sequences) if scores else None, functions)
 
     def collect(self, pending: list, samples: list) -> tuple[np.ndarray, list, float]:
         """(values [N, T] per response token, scores with None = unscored, the service's seconds) of the
@@ -142,6 +146,11 @@ class Service:
                         score = None
                 if rewards is not None and score is not None:
                     score = float(rewards.values[i, 0]) if rewards.scored[i] else None
+                elif got is not None and self.cohosted and score is not None:
+                    if got.rewards is None:
+                        raise RuntimeError(f"the critic service at {self.where} sent values without reward scores: "
+                                           f"it hosts no reward model, but reward.checkpoint says it does")
+                    score = float(got.rewards[i, 0])
                 if extra is not None and score is not None:
                     score = score + extra[i] if extra[i] is not None else None
                 scores.append(score)
@@ -195,7 +204,9 @@ def embedded_overrides(cfg, step: int) -> list[str]:
     out = [f"checkpoint={c.checkpoint or cfg.reward.checkpoint}", f"tokenizer={cfg.tokenizer.path}",
            f"launcher.nproc_per_node={c.launcher.nproc_per_node}",
            f"launcher.threads_per_rank={c.launcher.threads_per_rank}",
-           f"server.max_seq_length={cfg.model.seq_length}"]
+           f"server.max_seq_length={cfg.model.seq_length}",
+           # inference rows per forward pass as many as a training micro-batch (less memory than training them)
+           f"server.forward_micro_batch_size={c.trainer.micro_batch_size}"]
     if cfg.reward.checkpoint:
         out.append(f"reward_checkpoint={cfg.reward.checkpoint}")
     if step:

@@ -310,10 +310,12 @@ class Values:
     """Per-token critic values of a batch, in input order: `results[i].value` has one value per
     token of sample i when ok. `seconds`: the server's time for the forwards, summed over the
     batch's requests that got an answer (requests the server merged into one call each count that
-    call's time)."""
+    call's time). `rewards`: the scores [n, A] of the reward model the critic service co-hosts, which
+    critic_infer computes beside the values (NaN where a sample got no answer); None without one."""
 
     results: tuple[SampleResult, ...]
     seconds: float = 0.0
+    rewards: np.ndarray | None = None
 
     @property
     def scored(self) -> np.ndarray:
@@ -364,6 +366,7 @@ class CriticClient(_PooledClient):
         """Future[Values] for token-id sequences."""
         items = [np.asarray(s, dtype=np.int64) for s in sequences]
         seconds = []  # one entry per answered chunk (list.append is atomic)
+        rewards = {}  # first row of an answered chunk -> its co-hosted reward model's scores
 
         def run_chunk(start, stop):
             if any(len(s) == 0 for s in items[start:stop]):
@@ -371,10 +374,19 @@ class CriticClient(_PooledClient):
             out = self.infer_endpoint.call(_token_inputs(items[start:stop], self.pad_to_multiple))
             values = out[protocol.VALUES.name]
             seconds.append(float(out[protocol.SECONDS.name].reshape(-1)[0]))
+            if "rewards" in out:
+                rewards[start] = out["rewards"].astype(np.float32)
             return [SampleResult(OK, values[i - start, :len(items[i])].astype(np.float32)) for i in range(start, stop)]
 
-        return self._rows_in_chunks(len(items), self.max_rows, run_chunk,
-                                    lambda results: Values(tuple(results), float(sum(seconds))))
+        def finish(results) -> Values:
+            table = None
+            if rewards:
+                table = np.full((len(items), next(iter(rewards.values())).shape[1]), np.nan, dtype=np.float32)
+                for start, chunk in rewards.items():
+                    table[start:start + len(chunk)] = chunk
+            return Values(tuple(results), float(sum(seconds)), table)
+
+        return self._rows_in_chunks(len(items), self.max_rows, run_chunk, finish)
 
     def train(self, tokens: np.ndarray, returns: np.ndarray, prev_values: np.ndarray, mask: np.ndarray) -> Future:
         """Future[TrainResult] of the optimizer steps the server took on this batch. All arrays
