@@ -106,8 +106,12 @@ def test_grpo_first_step_on_two_ranks_matches_one_process(tiny_assets, rl_assets
 
 
 def test_reinforce_preset_and_dapo_options_run(tiny_assets, rl_assets, tmp_path):
-    reinforce = grpo(tiny_assets, rl_assets, tmp_path / "reinforce", "trainer.max_steps=2", command="reinforce")
+    reinforce = grpo(tiny_assets, rl_assets, tmp_path / "reinforce", "trainer.max_steps=2", "sampling.top_k=3",
+                     command="reinforce")
     assert all("kl/mean" in m and m["fraction/dropped_groups"] == 0 for m in reinforce)
+    # top-k sampling, scored against the reference's whole distribution: at step 1 (policy = reference) the
+    # KL is the top-k renormalisation, > 0 and finite (a top-k reference made it 0, and later infinite)
+    assert 0 < reinforce[0]["kl/mean"] < float("inf")
     dapo = grpo(tiny_assets, rl_assets, tmp_path / "dapo", "trainer.max_steps=2", "algorithm.kl.mode=none",
                 "algorithm.clip_high=0.28", "algorithm.dynamic_sampling.enabled=true", "algorithm.overlong.buffer=2",
                 "algorithm.importance_sampling.level=token", "algorithm.ppo_epochs=2", "generation.check_refit=true")

@@ -67,8 +67,7 @@ class PPOTrainer(RLTrainer):
             attach(micro, "old_logprobs", self.token_logprobs(self.model, micro, length))
         with timings("reference"):
             if self.reference is not None:
-                attach(micro, "ref_logprobs",
-                       self.reference.run(lambda model: self.token_logprobs(model, micro, length)))
+                attach(micro, "ref_logprobs", self.reference_logprobs(micro, length))
         with timings("critic_wait"):
             values, scores, served = self.collect(samples, pending)
         timings["critic_infer_server"] = served

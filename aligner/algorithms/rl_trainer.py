@@ -74,6 +74,11 @@ class RLTrainer(Trainer):
         values = token_values(vocab_size, self.params, entropy_grad=bool(a.entropy_coef))
         self.loss_step = make_forward_step(values, PolicyLoss(a, s.max_new_tokens))
         self.logprob_step = make_forward_step(token_values(vocab_size, self.params, False), collect(logprobs_output))
+        # The reference scores under its whole tempered distribution: truncated by top-k/top-p it would give a
+        # token the policy learned to sample, outside the reference's own top-k, probability 0 (infinite KL).
+        full = self.params.replace(top_k=0, top_p=1.0)
+        self.reference_step = self.logprob_step if full == self.params else \
+            make_forward_step(token_values(vocab_size, full, False), collect(logprobs_output))
         updates = a.ppo_epochs * a.prompts_per_step * a.num_generations // cfg.trainer.global_batch_size
         self.needs_old_logprobs = updates > 1 or (reference is not None and a.kl.mode == "reward")
         self.kl_coef = a.kl.coef
@@ -98,8 +103,7 @@ class RLTrainer(Trainer):
                 attach(micro, "old_logprobs", self.token_logprobs(self.model, micro, length))
         with timings("reference"):
             if self.reference is not None:
-                attach(micro, "ref_logprobs",
-                            self.reference.run(lambda model: self.token_logprobs(model, micro, length)))
+                attach(micro, "ref_logprobs", self.reference_logprobs(micro, length))
         if not self.a.dynamic_sampling.enabled:  # the scores were computed while the log-probs were
             with timings("score_wait"):
                 self.apply_scores(samples, pending, timings)
@@ -215,6 +219,10 @@ class RLTrainer(Trainer):
     def token_logprobs(self, model, micro: list[dict], length: int) -> list[torch.Tensor]:
         """Per-response-token log-probs [n, T] of each micro-batch (last pipeline stage; [] elsewhere)."""
         return collected(model, self.logprob_step, micro, length)
+
+    def reference_logprobs(self, micro: list[dict], length: int) -> list[torch.Tensor]:
+        """`token_logprobs` of the reference model, under its whole tempered distribution."""
+        return self.reference.run(lambda model: collected(model, self.reference_step, micro, length))
 
     def sample_kl(self, micro: list[dict], mine: list[Sample], samples: list[Sample]) -> list[float]:
         """Each sample's masked-mean token KL(old policy || reference), shared by every rank."""
