@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The built-in tiny example, end to end on a CPU: set up, build tokenizer + data, then
 # SFT -> reward model (from the SFT weights) -> DPO (from the SFT weights) -> generate with the DPO policy,
-# and GRPO (from the SFT weights, the `arithmetic` exact-answer reward) with its greedy accuracy before and after.
+# GRPO (from the SFT weights, the `arithmetic` exact-answer reward) with its greedy accuracy before and after,
+# and PPO (from the SFT weights, the reward model served with the critic) with its reward and accuracy before and after.
 #   bash examples/tiny/run.sh [overrides for every training stage, e.g.
 #                              launcher.nproc_per_node=2 model.tensor_model_parallel_size=2]
 set -euo pipefail
@@ -19,7 +20,7 @@ aligner train sft run_dir=$T/sft data.train_path=$T/sft_train.jsonl data.val_pat
 SFT=$T/sft/checkpoints/step_000300
 
 aligner train rm run_dir=$T/rm model.pretrained=$SFT data.train_path=$T/pref_train.jsonl \
-  data.val_path=$T/pref_val.jsonl trainer.max_steps=60 trainer.val_interval=30 optim.lr=1e-3 optim.min_lr=1e-4 "${common[@]}"
+  data.val_path=$T/pref_val.jsonl trainer.max_steps=800 trainer.val_interval=200 optim.lr=3e-4 optim.min_lr=3e-5 "${common[@]}"
 
 aligner train dpo run_dir=$T/dpo model.pretrained=$SFT data.train_path=$T/pref_train.jsonl \
   data.val_path=$T/pref_val.jsonl trainer.max_steps=30 trainer.val_interval=30 optim.lr=5e-4 optim.min_lr=5e-5 "${common[@]}"
@@ -33,14 +34,35 @@ aligner train grpo run_dir=$T/grpo model.pretrained=$SFT data.train_path=$T/rl_t
   algorithm.prompts_per_step=32 algorithm.num_generations=8 trainer.global_batch_size=64 trainer.micro_batch_size=64 \
   sampling.max_new_tokens=4 optim.lr=1e-4 optim.min_lr=1e-4 algorithm.kl.coef=0.01 "${common[@]}"
 
-echo "--- last metrics: SFT, RM, DPO, GRPO ---"
-for stage in sft rm dpo grpo; do tail -n 1 $T/$stage/metrics.jsonl; done
+# PPO: the reward model above scores, served with the critic (initialised from it) by the service this run starts;
+# 64 prompts x 1 sample per step, the first 10 steps train only the critic, sampled at temperature 0.7
+aligner train ppo run_dir=$T/ppo model.pretrained=$SFT reward.checkpoint=$T/rm/checkpoints/step_000800 \
+  data.train_path=$T/rl_train.jsonl data.val_path=$T/rl_val.jsonl reward.val_functions=[arithmetic] \
+  trainer.max_steps=60 trainer.val_interval=30 algorithm.prompts_per_step=64 trainer.global_batch_size=64 \
+  trainer.micro_batch_size=64 critic.trainer.global_batch_size=64 algorithm.critic_warmup_steps=10 \
+  sampling.max_new_tokens=4 sampling.temperature=0.7 optim.lr=1e-5 optim.min_lr=1e-5 algorithm.kl.coef=0.02 \
+  critic.optim.lr=1e-3 critic.optim.min_lr=1e-3 "${common[@]}"
+
+echo "--- last metrics: SFT, RM, DPO, GRPO, PPO ---"
+for stage in sft rm dpo grpo ppo; do tail -n 1 $T/$stage/metrics.jsonl; done
 echo "--- GRPO: greedy exact-answer accuracy on $T/rl_val.jsonl (val/reward/mean) ---"
 python - "$T" <<'PY'
 import json, sys
 vals = [(r["step"], r["val/reward/mean"]) for r in map(json.loads, open(f"{sys.argv[1]}/grpo/metrics.jsonl"))
         if "val/reward/mean" in r]
 print(f"before the first step: {vals[0][1]:.3f}; after step {vals[-1][0]}: {vals[-1][1]:.3f}")
+PY
+echo "--- PPO: reward-model score and greedy exact-answer accuracy on $T/rl_val.jsonl (val/reward/mean, val/arithmetic_answer/mean) ---"
+python - "$T" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/ppo/metrics.jsonl")]
+vals = [r for r in rows if "val/reward/mean" in r]
+steps = [r for r in rows if "reward/mean" in r]
+mean = lambda rs: sum(r["reward/mean"] for r in rs) / len(rs)  # noqa: E731
+for when, r in (("before the first step", vals[0]), (f"after step {vals[-1]['step']}", vals[-1])):
+    print(f"{when}: reward {r['val/reward/mean']:.3f}, accuracy {r['val/arithmetic_answer/mean']:.3f}")
+print(f"training reward/mean, steps 1-10 (critic warm-up: the SFT policy): {mean(steps[:10]):.3f}, last 10: "
+      f"{mean(steps[-10:]):.3f}; largest kl/mean: {max(r['kl/mean'] for r in steps):.3f}")
 PY
 echo "--- DPO policy, greedy (prompt -> response | right answer) ---"
 python - "$T" <<'PY'
