@@ -44,12 +44,10 @@ What still differs (the work a step does is the same unless said):
     response token. The random-init policy rarely samples eos (responses ~15.5-16 tokens), so the shapes
     match.
   * Where the reward model runs: TRL in-process on the eos-truncated sequence; aligner in the service, read
-    at the last real token (the same token, see hf_convert). The service's critic_infer also computes the
-    co-hosted reward model's scores, which the trainer does not read: it asks the reward_model endpoint
-    again, so aligner runs the reward model twice a step (a cost of aligner's, counted as it is).
-  * Forward batches: the service's forwards (values, scores) run in micro-batches of 8 rows (its
-    server.forward_micro_batch_size default, which `aligner train ppo` does not pass on to the embedded
-    service), 4 passes over the 32 rows where TRL makes one; the critic's update uses micro-batches of 32.
+    at the last real token (the same token, see hf_convert), computed by critic_infer beside the values
+    (one request, one pass over each model).
+  * Forward batches: the service's forwards run in micro-batches of critic.trainer.micro_batch_size rows
+    (32 here: one pass, as TRL's local_rollout_forward_batch_size=32).
   * Stopping: TRL's PPO samples all 16 tokens of every row (its generation config has no eos) and cuts
     each response after its first eos afterwards; aligner stops a row at its eos, but the batch decodes
     until its last row ends (16 steps nearly always). Hence 512 generated tokens a step for TRL, ~500 here.
@@ -68,14 +66,14 @@ of the service's work was hidden behind the actor's. The waits also hold the rou
 HTTP, the reward_model request, whose seconds the service does not report), so this is a lower bound.
 TRL's harness times only generate: its other is all the rest.
 
-Measured (2026-11-26, `python bench/rl_vs_trl.py --repeats 2 --only trl_grpo aligner_grpo trl_ppo trl_ppo_nogc
-aligner_ppo`, run twice, 1 thread; other processes used 0.9-1.7 cores throughout, so only the CPU figures
-are kept, which agreed between the runs): CPU s/step over steps 6..30, the 4 attempts of each
-  trl_ppo 0.77-0.85 (the baseline's quiet 1-thread figure: 0.79), trl_ppo_nogc 0.33-0.36,
-  aligner_ppo 0.57-0.62, of which its service's process tree 0.30-0.32;
-  TRL / aligner 1.28-1.40x per paired round (median 1.34-1.35x per run): the 3x target (<= ~0.26 CPU s/step)
-  is not met; against trl_ppo_nogc 0.53-0.59x. PPO's matmul floor was 0.076-0.092 s a step.
-The wall times and the overlap moved with the foreign load (the service's hidden share 26-44 % per attempt).
+Measured (2026-11-26, `python bench/rl_vs_trl.py --repeats 2 --only trl_ppo aligner_ppo`, 1 thread, other
+processes using 0.5-1.0 cores, so only the CPU figures count): CPU s/step over steps 6..30
+  trl_ppo 0.748 / 0.782 (the baseline's quiet 1-thread figure: 0.79), aligner_ppo 0.439 / 0.454, of which
+  its service's process tree 0.185; TRL / aligner 1.70x / 1.72x per paired round: the 3x target
+  (<= 0.255 CPU s/step) is not met. Wall: 0.32 s/step against TRL's 0.92 (2.98x, load-dependent).
+  86 % of the service's seconds were hidden behind the actor's work (infer 81 %, train 90 %).
+  PPO's matmul floor 0.083 s a step (164.6 GFLOP/s). Before the service read the co-hosted reward scores
+  from the values reply and forwarded 32 rows a pass, aligner_ppo took 0.57-0.62 CPU s/step (1.28-1.40x).
 """
 from __future__ import annotations
 
