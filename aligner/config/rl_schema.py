@@ -150,7 +150,7 @@ class RewardConfig:
     weights: Optional[list[float]] = None  # one per function; None = 1.0 each
     url: Optional[str] = None  # host:port of an aligner reward-model or verifier server (added with weight 1)
     checkpoint: Optional[str] = None  # PPO: the reward model its embedded service co-hosts with the critic
-    val_functions: list[str] = field(default_factory=list)  # scored on validation only: val/<name>/mean each
+    val_functions: list[str] = field(default_factory=list)  # scored on validation only: val/<function>/mean each
     workers: int = 4  # worker processes calling the reward functions (aligner.rewards.scoring)
     timeout_s: float = 60.0  # remote scoring
 
