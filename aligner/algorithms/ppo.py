@@ -8,7 +8,7 @@ deadline and stops it at the end, on error and on Ctrl-C; on resume it is starte
 checkpoint of the actor's step. With `critic.url` it connects to a running service (its `reward_model`
 endpoint scores when `reward.checkpoint` names the model it co-hosts, `reward.url` a separate reward
 server) and tells it to load that step. slurm/ppo.sbatch runs both sides as one heterogeneous job
-(`aligner/launch/hetjob.py`).
+(`aligner/algorithms/ppo_hetjob.py`).
 """
 from __future__ import annotations
 

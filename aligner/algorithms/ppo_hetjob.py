@@ -1,7 +1,7 @@
 """The plan of slurm/ppo.sbatch, PPO as one heterogeneous Slurm job: component 0 runs the critic (+ reward)
 service, component 1 the actor. Checked before anything starts.
 
-    python -m aligner.launch.hetjob JOB_ID [ppo overrides]
+    python -m aligner.algorithms.ppo_hetjob JOB_ID [ppo overrides]
 
 reads the job's components (`scontrol show job -o`), composes and validates the PPO config as the
 actor will see it, checks each component's nodes, tasks and GPUs against the parallel sizes, and
