@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,21 @@ def job_field(env, job: str, field: str) -> str:
     """One field of `scontrol show job -o JOB` ('' when absent)."""
     out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
     return next((kv.split("=", 1)[1] for kv in out.split() if kv.startswith(field + "=")), "")
+
+
+def wait_for_requeued_completion(env, job: str, out, timeout: float) -> str:
+    """JOB's output once it completed after exactly one requeue (its script's, after a stop at a checkpoint).
+    COMPLETED without a restart (never stopped), FAILED, CANCELLED, TIMEOUT... fail the test."""
+    deadline = time.monotonic() + timeout
+    while (state := (job_field(env, job, "JobState"), job_field(env, job, "Restarts"))) != ("COMPLETED", "1"):
+        log = out.read_text() if out.exists() else "(no job output yet)"
+        assert state[0] in ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "COMPLETING"), f"job {job} {state}:\n{log}"
+        assert time.monotonic() < deadline, f"job {job} still {state}:\n{log}"
+        time.sleep(0.5)
+    return out.read_text()
+
+
+def sigusr1_stop_step(log: str) -> int:
+    """The step a run said it stopped after on SIGUSR1 (aligner.runtime.preemption.Preempted)."""
+    return next(int(line.rsplit("step", 1)[1].split(",")[0]) for line in log.splitlines()
+                if "stopped on SIGUSR1 after step" in line)

@@ -20,7 +20,8 @@ import pytest
 
 from aligner.algorithms.ppo import Service
 from aligner.servers.client import OK, TIMEOUT, SampleResult, Values
-from tests.conftest import REPO, REWARDS, job_field, read_metrics, run_cli, start_cli
+from tests.conftest import (REPO, REWARDS, job_field, read_metrics, run_cli, sigusr1_stop_step, start_cli,
+                            wait_for_requeued_completion)
 
 KEYS = ("reward/mean", "loss", "grad_norm", "kl/mean", "value/loss", "returns/mean", "value/explained_variance",
         "advantages/mean", "response_length/mean")
@@ -253,19 +254,12 @@ def test_the_hetjob_stops_on_usr1_requeues_and_both_sides_resume_exactly(tiny_as
             time.sleep(0.1)
         signalled = subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, capture_output=True, text=True)
         assert signalled.returncode == 0, signalled.stderr
-        deadline = time.monotonic() + 600
-        while (state := (job_field(slurm_env, job, "JobState"), job_field(slurm_env, job, "Restarts"))) \
-                != ("COMPLETED", "1"):
-            assert state[0] in ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "COMPLETING"), (state, _job_log(out))
-            assert time.monotonic() < deadline, (state, _job_log(out))
-            time.sleep(0.5)
+        log = wait_for_requeued_completion(slurm_env, job, out, timeout=600)
     finally:
         subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
-    log = out.read_text()
     assert "start 1; service on node1, actor on node2" in log and "start 2;" in log, log
     assert "stopped at a checkpoint; requeueing job" in log, log
-    stop_step = next(int(line.rsplit("step", 1)[1].split(",")[0]) for line in log.splitlines()
-                     if "stopped on SIGUSR1 after step" in line)
+    stop_step = sigusr1_stop_step(log)
     assert 3 <= stop_step < 6
     steps = lambda d: sorted(p.name for p in d.iterdir())  # noqa: E731
     assert f"step_{stop_step:06d}" in steps(run_dir / "checkpoints") == steps(run_dir / "critic/checkpoints")

@@ -12,7 +12,8 @@ import pytest
 
 from aligner.data.preference import synthetic_preferences, write_jsonl
 from aligner.runtime.preemption import EXIT_PREEMPTED
-from tests.conftest import REPO, assert_metrics_match_by_step, job_field, read_metrics, run_cli, start_cli
+from tests.conftest import (REPO, assert_metrics_match_by_step, job_field, read_metrics, run_cli, sigusr1_stop_step,
+                            start_cli, wait_for_requeued_completion)
 
 MAX_STEPS = 40
 COMPARED = ("loss", "accuracy", "reward/margin", "grad_norm", "lr", "consumed_samples")
@@ -138,20 +139,12 @@ def test_slurm_job_stops_on_usr1_requeues_itself_and_resumes_exactly(tiny_assets
         wait_for_step(run_dir, 3, lambda: job_field(env, job, "JobState") in ("PENDING", "RUNNING"), timeout=300)
         signalled = subprocess.run(["scancel", "--signal=USR1", job], env=env, capture_output=True, text=True)
         assert signalled.returncode == 0, signalled.stderr
-        deadline = time.time() + 420
-        while (state := (job_field(env, job, "JobState"), job_field(env, job, "Restarts"))) != ("COMPLETED", "1"):
-            # COMPLETED without a restart: never stopped; FAILED, CANCELLED, TIMEOUT...: broken
-            assert state[0] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), \
-                f"job {job} {state}:\n{out.read_text() if out.exists() else ''}"
-            assert time.time() < deadline, f"job {job} still {state}"
-            time.sleep(0.5)
+        log = wait_for_requeued_completion(env, job, out, timeout=420)
     finally:
         subprocess.run(["scancel", job], env=env, capture_output=True)
-    log = out.read_text()
     assert "start 1 on node[1-2]" in log and "start 2 on node[1-2]" in log, log
     assert "stopped at a checkpoint; requeueing job" in log, log
-    stop_step = next(int(line.rsplit("step", 1)[1].split(",")[0]) for line in log.splitlines()
-                     if "stopped on SIGUSR1 after step" in line)
+    stop_step = sigusr1_stop_step(log)
     assert 3 <= stop_step < MAX_STEPS
     assert f"at step {stop_step}" in log
     assert_resumed_exactly(run_dir, stop_step, uninterrupted)
