@@ -180,3 +180,14 @@ def sigusr1_stop_step(log: str) -> int:
     """The step a run said it stopped after on SIGUSR1 (aligner.runtime.preemption.Preempted)."""
     return next(int(line.rsplit("step", 1)[1].split(",")[0]) for line in log.splitlines()
                 if "stopped on SIGUSR1 after step" in line)
+
+
+def wait_for_step(run_dir, step: int, alive, timeout: float = 300) -> None:
+    """Until RUN_DIR's metrics.jsonl has `step` lines; `alive()` must hold meanwhile."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert alive(), "the run ended before it could be signalled"
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= step:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{run_dir} did not reach step {step} in {timeout} s")

@@ -21,7 +21,7 @@ import pytest
 from aligner.algorithms.ppo import Service
 from aligner.servers.client import OK, TIMEOUT, SampleResult, Values
 from tests.conftest import (REPO, REWARDS, job_field, read_metrics, run_cli, sigusr1_stop_step, start_cli,
-                            wait_for_requeued_completion)
+                            wait_for_requeued_completion, wait_for_step)
 
 KEYS = ("reward/mean", "loss", "grad_norm", "kl/mean", "value/loss", "returns/mean", "value/explained_variance",
         "advantages/mean", "response_length/mean")
@@ -245,13 +245,11 @@ def test_the_hetjob_stops_on_usr1_requeues_and_both_sides_resume_exactly(tiny_as
     saves the critic and itself at one step and exits 75, the script requeues the job, and the requeued
     job resumes both sides and ends with the uninterrupted embedded run's metrics."""
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
-    job = _submit_hetjob(slurm_env, out, ppo_args(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=60")[2:])
+    args = ppo_args(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=60")[2:]
+    job = _submit_hetjob(slurm_env, out, args)
     try:
-        deadline = time.monotonic() + 300
-        while not ((run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3):
-            assert job_field(slurm_env, job, "JobState") in ("PENDING", "CONFIGURING", "RUNNING"), _job_log(out)
-            assert time.monotonic() < deadline, _job_log(out)
-            time.sleep(0.1)
+        queued = lambda: job_field(slurm_env, job, "JobState") in ("PENDING", "CONFIGURING", "RUNNING")  # noqa: E731
+        wait_for_step(run_dir, 3, queued)
         signalled = subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, capture_output=True, text=True)
         assert signalled.returncode == 0, signalled.stderr
         log = wait_for_requeued_completion(slurm_env, job, out, timeout=600)

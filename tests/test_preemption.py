@@ -13,7 +13,7 @@ import pytest
 from aligner.data.preference import synthetic_preferences, write_jsonl
 from aligner.runtime.preemption import EXIT_PREEMPTED
 from tests.conftest import (REPO, assert_metrics_match_by_step, job_field, read_metrics, run_cli, sigusr1_stop_step,
-                            start_cli, wait_for_requeued_completion)
+                            start_cli, wait_for_requeued_completion, wait_for_step)
 
 MAX_STEPS = 40
 COMPARED = ("loss", "accuracy", "reward/margin", "grad_norm", "lr", "consumed_samples")
@@ -39,16 +39,6 @@ def uninterrupted(tiny_assets, prefs, tmp_path_factory):
     result = run_cli("train", *dpo_args(tiny_assets, prefs, run_dir), "launcher.nproc_per_node=2")
     assert result.returncode == 0, result.stderr[-3000:]
     return {m["step"]: m for m in read_metrics(run_dir)}
-
-
-def wait_for_step(run_dir, step: int, alive, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert alive(), "the run ended before it could be signalled"
-        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= step:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{run_dir} did not reach step {step} in {timeout} s")
 
 
 def assert_resumed_exactly(run_dir, stop_step: int, uninterrupted: dict) -> None:

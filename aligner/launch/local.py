@@ -111,8 +111,7 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
             why = "on SIGUSR1" if asked else "(exit 75; rank 0 said why above)"
             raise RanksPreempted(f"{nproc} ranks stopped at a checkpoint {why}; resume with the same run_dir")
     finally:
-        if pass_on in preemption._listeners:
-            preemption.off_request(pass_on)
+        preemption.off_request(pass_on)
         for s, handler in previous.items():
             signal.signal(s, handler)
         for f in logs:

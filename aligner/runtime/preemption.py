@@ -70,7 +70,9 @@ def on_request(listener) -> None:
 
 
 def off_request(listener) -> None:
-    _listeners.remove(listener)
+    """Stop calling `listener` (no-op when it is not registered)."""
+    if listener in _listeners:
+        _listeners.remove(listener)
 
 
 def requested() -> bool:
