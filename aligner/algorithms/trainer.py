@@ -23,7 +23,8 @@ from megatron.core import parallel_state as ps
 from aligner.algorithms.training_step import forward_backward, forward_only, means, optimizer_step
 from aligner.data.loader import GlobalBatchSampler, split_for_rank
 from aligner.models import checkpoint
-from aligner.observe.metrics import MetricsLog, Progress
+from aligner.observe.metrics import MetricsLog
+from aligner.observe.progress import Progress
 from aligner.runtime import preemption
 from aligner.runtime.seeding import rng_state, set_rng_state
 

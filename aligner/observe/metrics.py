@@ -1,14 +1,11 @@
-"""`<run_dir>/metrics.jsonl` (one object per optimizer step), TensorBoard, and a progress bar.
+"""`<run_dir>/metrics.jsonl` (one object per optimizer step) and TensorBoard.
 
 Only global rank 0 writes. On resume, lines for steps after the restored checkpoint are dropped
 so the file never holds two versions of a step."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-from tqdm import tqdm
 
 # TensorBoard's writer is imported inside MetricsLog: it imports torch, and aligner.observe stays free
 # of torch at import (the CLI process imports aligner.observe.logs before it launches ranks).
@@ -40,21 +37,3 @@ class MetricsLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
-
-
-class Progress:
-    """tqdm bar on stderr with ETA; silent when disabled."""
-
-    def __init__(self, total: int, initial: int, enabled: bool):
-        self.bar = None
-        if enabled:
-            self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True)
-
-    def update(self, metrics: dict) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in ("loss", "lr") if k in metrics}, refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
