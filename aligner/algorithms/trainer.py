@@ -145,7 +145,7 @@ class Trainer:
     def fit(self) -> None:
         t = self.cfg.trainer
         self.resume()
-        metrics_log = MetricsLog(self.run_dir, self.cfg.logging.tensorboard, self.step) if self.is_logger else None
+        metrics_log = MetricsLog(self.run_dir, self.cfg, self.step) if self.is_logger else None
         progress = Progress(t.max_steps, self.step, self.is_logger and self.cfg.logging.progress)
         saved_at = self.step
         if self.validate_at_start and self.step == 0 and self.val_data is not None:

@@ -128,10 +128,39 @@ class LauncherConfig:
     threads_per_rank: int = 1  # OMP/torch threads per CPU rank
 
 
+class WandbMode(StrEnum):
+    online = "online"
+    offline = "offline"  # written under <dir>/wandb/offline-run-*; upload later with `wandb sync`
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (`pip install 'aligner[wandb]'`); off while `project` is null."""
+
+    project: Optional[str] = None
+    entity: Optional[str] = None  # None = the logged-in user's default entity
+    name: Optional[str] = None  # None = the run directory's name
+    mode: Optional[WandbMode] = None  # None = $WANDB_MODE, else online
+    dir: Optional[str] = None  # where W&B keeps its files (<dir>/wandb/); None = the run directory
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (`pip install 'aligner[mlflow]'`); off while `tracking_uri` is null."""
+
+    # http(s)://host:port, sqlite:///mlflow.db, or file:/path (recent MLflow also wants MLFLOW_ALLOW_FILE_STORE=true)
+    tracking_uri: Optional[str] = None
+    experiment: Optional[str] = None  # None = the name of the run directory's parent
+    run_name: Optional[str] = None  # None = the run directory's name
+
+
 @dataclass
 class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True
+    # Experiment trackers get the same keys and steps as metrics.jsonl, from the logging rank only.
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass

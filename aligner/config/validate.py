@@ -4,6 +4,8 @@ Closed sets (params_dtype, transformer_impl, data.format, ...) are enums in the 
 has already refused any other value, naming the key and the allowed values."""
 from __future__ import annotations
 
+import importlib.util
+
 
 class ConfigError(ValueError):
     """A config that cannot run: unknown key, wrong type, missing value or conflicting values."""
@@ -97,6 +99,16 @@ def validate(cfg, world_size: int) -> None:
     if cfg.data.get("packing") and cfg.model.transformer_impl == "transformer_engine":
         raise ConfigError("data.packing=true needs the local layer spec (model.transformer_impl=local or auto on a "
                           "host without Transformer Engine)")
+    validate_trackers(cfg.logging)
+
+
+def validate_trackers(logging_cfg) -> None:
+    """An experiment tracker that is turned on has its package installed (looked up, not imported)."""
+    for key, value, package in (("logging.wandb.project", logging_cfg.wandb.project, "wandb"),
+                                ("logging.mlflow.tracking_uri", logging_cfg.mlflow.tracking_uri, "mlflow")):
+        if value and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{key}={value} needs the `{package}` package: pip install 'aligner[{package}]' "
+                              f"(or unset {key})")
 
 
 def validate_rl(cfg, dp: int) -> None:
