@@ -9,6 +9,11 @@
     aligner generate --model DIR --prompts FILE.jsonl --out FILE.jsonl [sampling.greedy=true ...]
     aligner label-attributes --rm DIR --data FILE.jsonl --out FILE.jsonl [--scale 4]   SteerLM labels
     aligner doctor                                 what this host can run (CUDA, optional GPU packages)
+    aligner doctor RUN_DIR [RUN_DIR ...]           a run's known failure symptoms, the step they started, what to try
+    aligner report RUN_DIR [RUN_DIR ...] [--out FILE.html]   curves, config differences and rollouts in one HTML file
+
+Mistakes end with one `error: <what>, <where>, <how to fix>` line (exit code 2 for usage and config, 1
+otherwise); ALIGNER_DEBUG=1 shows the traceback too, which is always written under the run's logs/.
 """
 from __future__ import annotations
 
@@ -16,6 +21,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+from aligner import errors
+from aligner.errors import UsageError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one `error:` line (exit code 2), like every other usage error."""
+
+    def error(self, message: str):
+        raise UsageError(message, self.prog, f"see `{self.prog} --help`")
 
 # algorithm -> module with `main(argv)` (a launched rank) and `run(cfg)` (in this process)
 TRAINERS = {"sft": "aligner.algorithms.sft", "rm": "aligner.algorithms.reward_model",
@@ -32,21 +47,18 @@ def _under_external_launcher() -> bool:
 def train(algorithm: str, overrides: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    from aligner.config import ConfigError, load_config
-    from aligner.launch.local import RankFailed, RanksPreempted, launch
+    from aligner.config import load_config
+    from aligner.launch.local import RanksPreempted, launch
     from aligner.runtime.preemption import EXIT_PREEMPTED, Preempted
 
     if algorithm not in TRAINERS:
-        print(f"aligner train: unknown algorithm '{algorithm}'; expected one of {sorted(TRAINERS)}", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(algorithm, overrides)
-        _check_paths(cfg)
-        if "reward" in cfg:
-            _check_rl_inputs(cfg)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"aligner train {algorithm}: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"unknown algorithm '{algorithm}'", "aligner train <algorithm>",
+                         f"use one of {', '.join(TRAINERS)}")
+    cfg = load_config(algorithm, overrides)
+    errors.set_log_dir(Path(cfg.run_dir) / "logs")
+    _check_paths(cfg)
+    if "reward" in cfg:
+        _check_rl_inputs(cfg)
     run_dir = Path(cfg.run_dir)
     config_path = run_dir / "config.yaml"
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
@@ -66,9 +78,6 @@ def train(algorithm: str, overrides: list[str]) -> int:
     except (Preempted, RanksPreempted) as e:
         print(f"aligner train {algorithm}: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
-    except RankFailed as e:
-        print(f"aligner train {algorithm}: {e}", file=sys.stderr)
-        return 1
     return 0
 
 
@@ -76,18 +85,23 @@ def _check_paths(cfg) -> None:
     for key, value in (("tokenizer.path", cfg.tokenizer.path), ("data.train_path", cfg.data.train_path),
                        ("data.val_path", cfg.data.val_path), ("model.pretrained", cfg.model.pretrained)):
         if value and not Path(value).exists():
-            raise FileNotFoundError(f"{key}={value} does not exist")
+            raise errors.UserError(f"{value} does not exist", key, f"pass {key}= an existing path")
 
 
 def _check_rl_inputs(cfg) -> None:
     """Online RL: the reward functions load and every prompt record is valid, before any rank starts
     (a ValueError names the function, or the file:line and what is expected)."""
+    from omegaconf import OmegaConf
+
     from aligner.data.prompts import load_prompt_dataset
     from aligner.data.tokenizer import load_tokenizer
     from aligner.rewards.functions import resolve_reward_functions
 
-    resolve_reward_functions(list(cfg.reward.functions))
-    resolve_reward_functions(list(cfg.reward.val_functions))
+    for key in ("reward.functions", "reward.val_functions"):
+        try:
+            resolve_reward_functions(list(OmegaConf.select(cfg, key)))
+        except ValueError as e:
+            raise UsageError(str(e), key, "name a builtin or an importable package.module:function") from None
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     for path in (cfg.data.train_path, cfg.data.val_path):
         if path:
@@ -95,7 +109,7 @@ def _check_rl_inputs(cfg) -> None:
 
 
 def convert(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="aligner convert")
+    parser = ArgumentParser(prog="aligner convert")
     sub = parser.add_subparsers(dest="direction", required=True)
     to_mcore = sub.add_parser("hf-to-mcore", help="import a Hugging Face checkpoint")
     to_mcore.add_argument("--hf", required=True)
@@ -118,7 +132,7 @@ def convert(argv: list[str]) -> int:
 
 
 def logprobs(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="aligner logprobs",
+    parser = ArgumentParser(prog="aligner logprobs",
                                      description="per-token log-probs of texts under an aligner checkpoint")
     parser.add_argument("--model", required=True, help="aligner checkpoint directory")
     parser.add_argument("--data", required=True, help='JSONL with {"text": ...} or {"input_ids": [...]} per line')
@@ -142,7 +156,7 @@ def generate(argv: list[str]) -> int:
 
 
 def label_attributes(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="aligner label-attributes",
+    parser = ArgumentParser(prog="aligner label-attributes",
                                      description="SteerLM labels: score SFT records with a regression reward model")
     parser.add_argument("--rm", required=True, help="regression reward-model checkpoint (rm.loss=regression)")
     parser.add_argument("--data", required=True, help="SFT JSONL (chat messages, or input/output)")
@@ -152,11 +166,7 @@ def label_attributes(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from aligner.algorithms.steerlm import label_attributes as label
 
-    try:
-        out = label(args.rm, args.data, args.out, scale=args.scale, batch_size=args.batch_size)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"aligner label-attributes: {e}", file=sys.stderr)
-        return 2
+    out = label(args.rm, args.data, args.out, scale=args.scale, batch_size=args.batch_size)
     print(f"wrote {out}")
     return 0
 
@@ -173,27 +183,19 @@ def serve(argv: list[str]) -> int:
 
     from omegaconf import OmegaConf
 
-    from aligner.config import ConfigError
-    from aligner.launch.local import RankFailed, launch
+    from aligner.launch.local import launch
 
     if not argv or argv[0] not in SERVERS:
-        print(f"usage: aligner serve <{'|'.join(SERVERS)}> [overrides]", file=sys.stderr)
-        return 2
+        raise UsageError(f"expected a server kind, got {argv[0] if argv else 'nothing'!r}", "aligner serve <kind>",
+                         f"use one of {', '.join(SERVERS)}")
     kind, overrides = argv[0], argv[1:]
-    try:
-        from aligner.servers.config import load_serve_config
+    from aligner.servers.config import load_serve_config
 
-        cfg = load_serve_config(kind, overrides)
-    except ConfigError as e:
-        print(f"aligner serve {kind}: {e}", file=sys.stderr)
-        return 2
+    cfg = load_serve_config(kind, overrides)
+    errors.set_log_dir(Path(cfg.run_dir) / "logs")
     from aligner.servers.triton import check_ports_free, ports
 
-    try:  # fail before loading a model; serving checks again
-        check_ports_free(cfg.server.host, ports(cfg.server))
-    except OSError as e:
-        print(f"aligner serve {kind}: {e}", file=sys.stderr)
-        return 1
+    check_ports_free(cfg.server.host, ports(cfg.server))  # fail before loading a model; serving checks again
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "config.yaml")
@@ -204,15 +206,17 @@ def serve(argv: list[str]) -> int:
     try:
         launch(f"{SERVERS[kind]}:main", [str(run_dir / "config.yaml")], nproc, run_dir / "logs",
                cfg.launcher.master_port, cfg.launcher.threads_per_rank)
-    except RankFailed as e:
-        print(f"aligner serve {kind}: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # SIGTERM/SIGINT: the launcher has stopped the ranks
         return 0
     return 0
 
 
 def doctor(argv: list[str]) -> int:
+    """`aligner doctor`: what this host can run; `aligner doctor RUN_DIR ...`: a run's failure symptoms."""
+    if argv:
+        from aligner.observe.doctor import main as diagnose_runs
+
+        return diagnose_runs(argv)
     import torch
 
     from aligner.runtime.optional import report
@@ -221,6 +225,32 @@ def doctor(argv: list[str]) -> int:
     for name, a in report().items():
         print(f"{name:20s} installed={a.installed} importable={a.importable}" + (f"  ({a.reason})" if a.reason else ""))
     return 0
+
+
+def report(argv: list[str]) -> int:
+    from aligner.observe.report import main as write_report
+
+    return write_report(argv)
+
+
+HANDLERS = {"convert": convert, "logprobs": logprobs, "generate": generate, "serve": serve, "doctor": doctor,
+            "report": report, "label-attributes": label_attributes}
+
+
+def dispatch(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        if not rest:
+            raise UsageError("expected an algorithm", "aligner train <algorithm> [overrides]",
+                             f"use one of {', '.join(TRAINERS)}")
+        return train(rest[0], rest[1:])
+    if command not in HANDLERS:
+        raise UsageError(f"unknown command '{command}'", "aligner <command>",
+                         f"use one of train, {', '.join(HANDLERS)} (aligner --help)")
+    return HANDLERS[command](rest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,21 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     from aligner.observe.logs import silence_expected_warnings
 
     silence_expected_warnings()
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    command, rest = argv[0], argv[1:]
-    if command == "train":
-        if not rest:
-            print(f"usage: aligner train <{'|'.join(TRAINERS)}> [overrides]", file=sys.stderr)
-            return 2
-        return train(rest[0], rest[1:])
-    handlers = {"convert": convert, "logprobs": logprobs, "generate": generate, "serve": serve, "doctor": doctor,
-                "label-attributes": label_attributes}
-    if command not in handlers:
-        print(f"aligner: unknown command '{command}'\n{__doc__}", file=sys.stderr)
-        return 2
-    return handlers[command](rest)
+    try:
+        return dispatch(argv)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a user's mistake as one line, a bug with its traceback
+        return errors.handle(e)
 
 
 if __name__ == "__main__":

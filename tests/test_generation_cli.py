@@ -22,14 +22,18 @@ def test_overrides_parse_and_reject_unknown_keys():
         parse_overrides(["decode=compiled", "model.tensor_model_parallel_size=2", "launcher.nproc_per_node=2"])
 
 
-def test_generate_main_reports_usage_errors(tmp_path, capsys):
+def test_generate_main_reports_usage_errors(tmp_path):
+    """The errors reach the user as one line through aligner.cli (tests/test_errors.py): here, their kind."""
+    from aligner.errors import UsageError, UserError
+
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2]}\n')
-    assert generate_main(["--model", str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
-                          "sampling.bogus=1"]) == 2
-    assert "unknown override 'sampling.bogus'" in capsys.readouterr().err
-    assert generate_main(["--model", str(tmp_path / "missing"), "--prompts", str(prompts), "--out", "o"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="unknown override 'sampling.bogus'"):
+        generate_main(["--model", str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+                       "sampling.bogus=1"])
+    with pytest.raises(UserError, match="does not exist") as missing:
+        generate_main(["--model", str(tmp_path / "missing"), "--prompts", str(prompts), "--out", "o"])
+    assert missing.value.exit_code == 1 and "--model" in str(missing.value)
 
 
 def test_read_prompts_reports_file_and_line(tmp_path):

@@ -143,8 +143,9 @@ def test_cli_refuses_a_never_saved_resume_step_in_one_line(tmp_path):
         _fake_critic_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{step:06d}", step)
     result = run_cli("serve", "critic", f"checkpoint={rm}", f"run_dir={tmp_path / 'run'}", "resume_step=5", timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"aligner serve critic: resume_step=5: no critic checkpoint for actor step 5 in "
-                                     f"{tmp_path / 'run' / 'checkpoints'} (steps saved there: 3, 8)")
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: resume_step=5: no critic checkpoint for actor step 5 in "
+                           f"{tmp_path / 'run' / 'checkpoints'} (steps saved there: 3, 8)")
 
 
 # ---- verifiable rewards ------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def run(cfg) -> None:
         scorer = RewardScorer(resolve_reward_functions(list(r.functions)),
                               list(r.weights) if r.weights is not None else None, workers=r.workers, url=r.url,
                               remote_timeout_s=r.timeout_s, tokenizer=tokenizer)
+        scorer.wait_ready()
     val_scorer = None
     if dist.get_rank() == 0 and cfg.reward.val_functions:
         val_scorer = RewardScorer(resolve_reward_functions(list(cfg.reward.val_functions)), workers=1)

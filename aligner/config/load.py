@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from aligner import CONF_DIR
 from aligner.config.commands import COMMANDS
 from aligner.config.validate import ConfigError, validate
+from aligner.errors import UserError
 
 
 def _summary(error: BaseException) -> str:
@@ -82,8 +83,10 @@ def _adopt_checkpoint_architecture(cfg) -> None:
     parallel layout and training-time options come from this config."""
     meta_path = Path(cfg.model.pretrained) / "aligner.json"
     if not meta_path.exists():
-        raise ConfigError(f"model.pretrained={cfg.model.pretrained} is not an aligner checkpoint (no aligner.json); "
-                          f"import Hugging Face weights with `aligner convert hf-to-mcore` first")
+        what = "does not exist" if not meta_path.parent.exists() else "is not an aligner checkpoint (no aligner.json)"
+        raise UserError(f"{cfg.model.pretrained} {what}", "model.pretrained",
+                        "pass a checkpoint directory (<run_dir>/checkpoints/step_N), or import Hugging Face weights "
+                        "with `aligner convert hf-to-mcore` first")
     architecture = json.loads(meta_path.read_text())["model"]
     for key, value in architecture.items():
         if key in cfg.model and key not in ("hidden_dropout", "attention_dropout", "seq_length",

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 
+from aligner.errors import UsageError
 
-class ConfigError(ValueError):
+
+class ConfigError(UsageError, ValueError):
     """A config that cannot run: unknown key, wrong type, missing value or conflicting values."""
 
 

@@ -12,12 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from aligner.errors import UserError
+
 _JSON_TYPE = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
               type(None): "null"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data file or one of its records is missing or malformed; the message says where and what was expected."""
+
+    fix = "fix that record (or point the data path at the right file)"
 
 
 @dataclass(frozen=True)

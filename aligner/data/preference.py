@@ -136,7 +136,9 @@ def encode_prompt_response(tokenizer, prompt, response, key: str) -> tuple[list[
         ids = bos + encode_text(tokenizer, prompt + response) + [tokenizer.eos_token_id]
         return ids, _check_boundary(tokenizer, prompt_ids, ids, key)
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("chat records need a tokenizer with a chat template, and this one has none")
+        raise DataError(f"chat records need a tokenizer with a chat template, and the one at "
+                        f"{tokenizer.name_or_path} has none",
+                        fix="use a tokenizer with a chat template (tokenizer.path), or plain-text records")
     head = check_messages(prompt, "prompt", or_string=True) if not isinstance(prompt, str) else None
     if head is None:
         raise DataError(f"'{key}' is a message list, so 'prompt' must be one too, got a string")
@@ -246,7 +248,7 @@ def load_preference_dataset(path: str | Path, tokenizer, fmt: str = "auto", max_
         try:
             pair = tokenize_preference_pair(obj, tokenizer, fmt, rewards)
         except DataError as e:
-            raise DataError(f"{path}:{line_no}: {e}") from None
+            raise DataError(f"{path}:{line_no}: {e.what}", fix=e.fix) from None
         chosen = _fit(pair.chosen, pair.chosen_start, max_length, overlong)
         rejected = _fit(pair.rejected, pair.rejected_start, max_length, overlong)
         if chosen is None or rejected is None or chosen == rejected:
@@ -268,7 +270,7 @@ def load_unpaired_dataset(path: str | Path, tokenizer, fmt: str = "auto", max_le
         try:
             ids, start, label = tokenize_unpaired(obj, tokenizer, fmt)
         except DataError as e:
-            raise DataError(f"{path}:{line_no}: {e}") from None
+            raise DataError(f"{path}:{line_no}: {e.what}", fix=e.fix) from None
         fitted = _fit(ids, start, max_length, overlong)
         if fitted is None:
             dropped += 1

@@ -91,7 +91,9 @@ def _encode_side(side, tokenizer) -> list[int]:
     if isinstance(side, str):
         return encode_for_reward(tokenizer, side)
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
+        raise DataError(f"chat data needs a tokenizer with a chat template, and the one at "
+                        f"{tokenizer.name_or_path} has none",
+                        fix="use a tokenizer with a chat template (tokenizer.path), or plain-text records")
     return encode_for_reward(tokenizer, render_chat(tokenizer, side))
 
 
@@ -158,7 +160,7 @@ def load_rm_dataset(path: str | Path, tokenizer, kind: str = "pairs", attributes
             sample = (tokenize_reward_pair(obj, tokenizer, fmt) if kind == "pairs"
                       else tokenize_regression(obj, tokenizer, attributes, fmt))
         except DataError as e:
-            raise DataError(f"{path}:{line_no}: {e}") from None
+            raise DataError(f"{path}:{line_no}: {e.what}", fix=e.fix) from None
         if sample is None:
             dropped += 1
             continue

@@ -49,7 +49,9 @@ def tokenize_prompt(prompt, tokenizer) -> tuple[list[int], str]:
         raise DataError("expected the last message of 'prompt' to be a user or system turn (the policy answers "
                         "after it), got an assistant turn")
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("chat prompts need a tokenizer with a chat template, and this one has none")
+        raise DataError(f"chat prompts need a tokenizer with a chat template, and the one at "
+                        f"{tokenizer.name_or_path} has none",
+                        fix="use a tokenizer with a chat template (tokenizer.path), or plain-text records")
     text = render_chat(tokenizer, messages, generation_prompt=True)
     return encode_text(tokenizer, text), text
 
@@ -73,7 +75,7 @@ def load_prompt_dataset(path: str | Path, tokenizer, max_length: int, overlong: 
         try:
             ids, text = tokenize_prompt(obj["prompt"], tokenizer)
         except DataError as e:
-            raise DataError(f"{where}: {e}") from None
+            raise DataError(f"{where}: {e.what}", fix=e.fix) from None
         if len(ids) > max_length:
             if overlong == "error":
                 raise DataError(f"{where}: the prompt has {len(ids)} tokens, more than max_length={max_length} "

@@ -54,7 +54,9 @@ def tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int]
     rendering, both as text and as tokens; otherwise a DataError says which turn breaks it.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
+        raise DataError(f"chat data needs a tokenizer with a chat template, and the one at "
+                        f"{tokenizer.name_or_path} has none",
+                        fix="use a tokenizer with a chat template (tokenizer.path), or plain-text records")
     full_text = render_chat(tokenizer, messages)
     ids = encode_text(tokenizer, full_text)
     mask = [0] * len(ids)
@@ -171,7 +173,7 @@ def load_sft_dataset(path: str | Path, tokenizer, fmt: str = "auto", max_length:
             if prefix is not None:
                 ids, mask = insert_condition(ids, mask, prefix(obj), tokenizer.bos_token_id)
         except DataError as e:
-            raise DataError(f"{path}:{line_no}: {e}") from None
+            raise DataError(f"{path}:{line_no}: {e.what}", fix=e.fix) from None
         cut = len(ids) > max_length
         if cut and overlong == "drop":
             dropped += 1

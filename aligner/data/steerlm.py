@@ -85,7 +85,7 @@ def write_attribute_labels(score: Callable[[list[list[int]]], Sequence[Sequence[
         try:
             sequences.append(reward_input_ids(obj, tokenizer, fmt))
         except DataError as e:
-            raise DataError(f"{data_path}:{line_no}: {e}") from None
+            raise DataError(f"{data_path}:{line_no}: {e.what}", fix=e.fix) from None
         records.append(obj)
     scores = score(sequences)
     out = Path(out_path)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from aligner.data.jsonl import DataError
+from aligner.errors import UsageError
 
 # transformers and tokenizers are imported inside the functions: aligner.data imports this module, and the
 # CLI process imports aligner.data (through aligner.generation.cli) before it launches ranks.
@@ -52,8 +53,9 @@ def model_vocab_size(model_cfg, tokenizer, tokenizer_path) -> int:
     """`model.vocab_size`, or the tokenizer's size when unset; never fewer ids than the tokenizer has."""
     vocab_size = model_cfg.vocab_size or len(tokenizer)
     if vocab_size < len(tokenizer):
-        raise ValueError(f"model.vocab_size={vocab_size} is smaller than the tokenizer at {tokenizer_path} "
-                         f"({len(tokenizer)} tokens)")
+        raise UsageError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens",
+                         f"tokenizer.path={tokenizer_path}", "leave model.vocab_size unset (the tokenizer's size) "
+                         "or raise it")
     return vocab_size
 
 

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from aligner import errors
 from aligner.data.jsonl import read_token_sequences
 from aligner.data.steerlm import condition_ids, insert_condition, parse_condition
 from aligner.data.tokenizer import load_tokenizer
 from aligner.generation import rng
 from aligner.generation.types import DECODE_MODES, SamplingParams
-from aligner.launch.local import RankFailed, launch
+from aligner.launch.local import launch
 from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata
 from aligner.models.gpt import build_gpt
 from aligner.runtime.cpu_memory import keep_freed_memory
@@ -51,8 +52,13 @@ OVERRIDES = {  # key -> (type, default)
 }
 
 
-class UsageError(ValueError):
+class UsageError(errors.UsageError, ValueError):
     pass
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message, self.prog, f"see `{self.prog} --help`")
 
 
 def _parse_value(key: str, kind, text: str):
@@ -177,38 +183,37 @@ def rank_main(argv: list[str]) -> None:
 
 
 def generate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="aligner generate", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="aligner generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="aligner checkpoint directory")
     parser.add_argument("--prompts", required=True, help='JSONL with {"prompt": ...} or {"prompt_ids": [...]}')
     parser.add_argument("--out", required=True, help="output JSONL")
     parser.add_argument("overrides", nargs="*", help=f"key=value, keys: {', '.join(OVERRIDES)}")
     args = parser.parse_args(argv)
+    values = parse_overrides(args.overrides)
     try:
-        values = parse_overrides(args.overrides)
         sampling_params(values)  # validates the sampling values
-        for what, path in (("--model", args.model), ("--prompts", args.prompts)):
-            if not Path(path).exists():
-                raise UsageError(f"{what} {path} does not exist")
-        if values["steerlm.attributes"]:  # checked here, before any rank starts
-            trained = read_metadata(args.model).get("steerlm")
-            if trained is None:
-                raise UsageError(f"steerlm.attributes: {args.model} is not a SteerLM checkpoint "
-                                 f"(train one with `aligner train steerlm`)")
+    except ValueError as e:
+        raise UsageError(str(e), "aligner generate sampling.*", "fix that override") from None
+    for what, path in (("--model", args.model), ("--prompts", args.prompts)):
+        if not Path(path).exists():
+            raise errors.UserError(f"{path} does not exist", f"aligner generate {what}",
+                                   f"pass {what} an existing path")
+    if values["steerlm.attributes"]:  # checked here, before any rank starts
+        trained = read_metadata(args.model).get("steerlm")
+        if trained is None:
+            raise UsageError(f"{args.model} is not a SteerLM checkpoint", "steerlm.attributes",
+                             "train one with `aligner train steerlm`, or drop steerlm.attributes")
+        try:
             parse_condition(values["steerlm.attributes"], trained["attributes"], trained["scale"])
-    except (UsageError, ValueError) as e:
-        print(f"aligner generate: {e}", file=sys.stderr)
-        return 2
+        except ValueError as e:
+            raise UsageError(str(e), "steerlm.attributes", f"use attributes of {trained['attributes']}") from None
     job = {"model": str(Path(args.model).resolve()), "prompts": str(Path(args.prompts).resolve()),
            "out": str(Path(args.out).resolve()), "values": values}
     nproc = values["launcher.nproc_per_node"]
     if nproc == 1 or "WORLD_SIZE" in os.environ:  # a single rank, or torchrun/srun started every rank
         run_generation(job)
         return 0
-    try:
-        launch("aligner.generation.cli:rank_main", [json.dumps(job)], nproc)
-    except RankFailed as e:
-        print(f"aligner generate: {e}", file=sys.stderr)
-        return 1
+    launch("aligner.generation.cli:rank_main", [json.dumps(job)], nproc)
     return 0
 
 

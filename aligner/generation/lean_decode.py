@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from aligner.errors import UserError
 from aligner.models.rope import cos_and_signed_sin
 
 def unsupported_reason(model) -> str | None:
@@ -189,8 +190,9 @@ def compiled_run_layers(device: torch.device):
     Python calls per step). Past MAX_COMPILED_SHAPES shapes, new ones run eagerly instead of compiling."""
     if device.type not in _compiled_layers:
         if device.type == "cpu" and shutil.which("g++") is None and shutil.which("c++") is None:
-            raise RuntimeError("decode='compiled' on CPU needs a C++ compiler (torch.compile's Inductor builds "
-                               "its kernels with it); install g++, or use decode='lean'")
+            raise UserError("decode='compiled' on CPU needs a C++ compiler (torch.compile's Inductor builds its "
+                            "kernels with it), and there is no g++ or c++ on PATH", "generation.decode / decode=",
+                            "install g++ (apt-get install g++), or use decode=lean")
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
         compiled = torch.compile(run_layers, fullgraph=True, dynamic=False, options=options)
         shapes = set()

@@ -3,7 +3,8 @@
 Each rank runs `python -m aligner.launch.worker <module:function> <args...>` with the usual
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT variables. Rank 0 writes to our
 stdout/stderr, the others to `<log_dir>/rank_<r>.log`. When a rank fails, the others are
-stopped and that rank's traceback is printed, so the user sees the first real error.
+stopped and `RankFailed` carries the first failing rank's report (its `error:` line, or a bug's
+traceback), so the user sees the first real error once.
 SIGUSR1 (a request to stop at a checkpoint, runtime/preemption.py) is passed on to every rank; ranks
 that stop that way exit with EXIT_PREEMPTED, and `launch` then raises `RanksPreempted`.
 """
@@ -19,13 +20,14 @@ import threading
 import time
 from pathlib import Path
 
+from aligner.errors import ReportedFailure, read_rank_error
 from aligner.runtime.ports import free_port
 from aligner.runtime import preemption
 from aligner.runtime.preemption import EXIT_PREEMPTED, STOP_SIGNAL
 
 
-class RankFailed(RuntimeError):
-    pass
+class RankFailed(ReportedFailure):
+    """A rank failed; the message is its `error:` line (a user's mistake) or its traceback (a bug)."""
 
 
 class RanksPreempted(RuntimeError):
@@ -36,6 +38,7 @@ def _rank_env(rank: int, world: int, port: int, threads: int, error_file: Path) 
     env = dict(os.environ)
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ALIGNER_ERROR_FILE=str(error_file),
+               ALIGNER_LOG_DIR=str(error_file.parent),
                OMP_NUM_THREADS=str(threads))
     env.pop("SLURM_PROCID", None)  # we are the launcher now, not srun
     return env
@@ -106,7 +109,7 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
         if failed is not None:
             time.sleep(0.5)  # let sibling failures land, then stop the rest
             _stop(procs)
-            raise RankFailed(_failure_report(failed, procs[failed].returncode, log_dir))
+            raise _rank_failure(failed, procs, log_dir)
         if any(p.returncode == EXIT_PREEMPTED for p in procs):
             why = "on SIGUSR1" if asked else "(exit 75; rank 0 said why above)"
             raise RanksPreempted(f"{nproc} ranks stopped at a checkpoint {why}; resume with the same run_dir")
@@ -120,10 +123,18 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _failure_report(rank: int, code: int, log_dir: Path) -> str:
-    error_file = log_dir / f"rank_{rank}.error"
-    detail = error_file.read_text() if error_file.exists() else ""
-    if not detail and (log_dir / f"rank_{rank}.log").exists():
-        detail = "".join((log_dir / f"rank_{rank}.log").read_text().splitlines(True)[-40:])
-    where = f" (log: {log_dir / f'rank_{rank}.log'})" if rank > 0 else ""
-    return f"rank {rank} failed with exit code {code}{where}:\n{detail.rstrip()}"
+def _rank_failure(first: int, procs, log_dir: Path) -> RankFailed:
+    """The first failed rank that reported a user's mistake (its peers then fail on broken connections),
+    else the first failed rank, with its traceback."""
+    failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0, EXIT_PREEMPTED, -signal.SIGTERM)]
+    for rank in sorted(failed, key=lambda r: r != first):
+        report = read_rank_error(log_dir / f"rank_{rank}.error")
+        if report and report["user"]:
+            return RankFailed(report["message"], report["exit_code"])
+    code = procs[first].returncode
+    report = read_rank_error(log_dir / f"rank_{first}.error")
+    detail = report["message"] if report else ""
+    if not detail and (log_dir / f"rank_{first}.log").exists():
+        detail = "".join((log_dir / f"rank_{first}.log").read_text().splitlines(True)[-40:])
+    where = f" (log: {log_dir / f'rank_{first}.log'})" if first > 0 else ""
+    return RankFailed(f"rank {first} failed with exit code {code}{where}:\n{detail.rstrip()}")

@@ -1,14 +1,14 @@
 """One rank started by the embedded launcher: `python -m aligner.launch.worker module:function args...`.
 
-A failure's traceback goes to $ALIGNER_ERROR_FILE so that the launcher can report it. A rank that
-stopped at a checkpoint on request (`preemption.Preempted`) is no failure: it exits with its code."""
+A failure's report (its `error:` line, or a bug's traceback) goes to $ALIGNER_ERROR_FILE so that the
+launcher can report it (aligner/errors.py). A rank that stopped at a checkpoint on request
+(`preemption.Preempted`) is no failure: it exits with its code."""
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-import traceback
 
+from aligner import errors
 from aligner.observe.logs import silence_expected_warnings
 from aligner.runtime import preemption
 
@@ -25,12 +25,7 @@ def main(argv: list[str]) -> int:
     except BaseException as e:  # noqa: BLE001 - report everything, then fail
         if isinstance(e, SystemExit) and not e.code:
             return 0
-        text = traceback.format_exc()
-        if os.environ.get("ALIGNER_ERROR_FILE"):
-            with open(os.environ["ALIGNER_ERROR_FILE"], "w") as f:
-                f.write(text)
-        print(text, file=sys.stderr, flush=True)
-        return 1
+        return errors.handle(e)  # to $ALIGNER_ERROR_FILE: the launcher reports the first failing rank
     return 0
 
 

@@ -20,10 +20,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from aligner.errors import UserError
+
 # megatron is imported inside the functions: the CLI process reads checkpoint metadata before it
 # launches ranks, and importing megatron there costs seconds and prints its apex/TE warnings.
 
 FORMAT_VERSION = 1
+
+
+class NotACheckpoint(UserError, FileNotFoundError):
+    """A path given as a checkpoint holds none (or an incomplete one)."""
 # Distributed-optimizer state: one shard per DP rank, written in parallel with no gather. Such a
 # state resumes at the same TP/PP (any DP); the model weights themselves load at any layout.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -96,8 +102,9 @@ def is_complete(path) -> bool:
 def read_metadata(path) -> dict:
     path = Path(path)
     if not is_complete(path):
-        raise FileNotFoundError(f"{path} is not a complete aligner checkpoint (expected aligner.json, weights/ "
-                                f"and COMPLETE); convert a Hugging Face model with `aligner convert hf-to-mcore`")
+        raise NotACheckpoint(f"{path} is not a complete aligner checkpoint (expected aligner.json, weights/ and "
+                             f"COMPLETE)", "", "pass a checkpoint directory (<run_dir>/checkpoints/step_N), or "
+                             "convert a Hugging Face model with `aligner convert hf-to-mcore`")
     return json.loads((path / "aligner.json").read_text())
 
 

@@ -27,6 +27,7 @@ import torch
 # module in the CLI process, which with several ranks only launches them (megatron costs seconds
 # there and prints its apex/TE warnings); safetensors' writer and transformers only when used.
 
+from aligner.errors import UserError
 from aligner.models import hf_weights as hw
 
 # Files of a HF model directory that belong to its tokenizer.
@@ -42,7 +43,8 @@ DEFAULT_SHARD_BYTES = 2 * 10**9
 def read_hf_config(hf_dir) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: expected a Hugging Face model directory")
+        raise UserError(f"{hf_dir} has no config.json" if Path(hf_dir).exists() else f"{hf_dir} does not exist",
+                        "the Hugging Face model directory", "pass a directory with config.json and *.safetensors")
     return json.loads(path.read_text())
 
 

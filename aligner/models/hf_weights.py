@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from aligner.errors import UserError
 from aligner.models.gpt import padded_vocab_size
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
@@ -39,7 +40,7 @@ SEQUENCE_CLASSIFICATION = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     """The HF model cannot be represented exactly by our megatron GPT."""
 
 

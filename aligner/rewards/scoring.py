@@ -36,7 +36,7 @@ from aligner.data.preference_rm import encode_for_reward
 from aligner.rewards.functions import (RewardFunction, function_name, resolve_reward_functions, score_rows,
                                        worker_init)
 from aligner.runtime.preemption import STOP_SIGNAL
-from aligner.servers.client import EndpointClient, RewardClient
+from aligner.servers.client import EndpointClient, RewardClient, ServerUnavailable
 
 __all__ = ["RewardScorer", "RemoteReward", "resolve_reward_functions"]  # resolve_...: torch-free in .functions
 
@@ -79,6 +79,13 @@ class RemoteReward:
             else:
                 time.sleep(0.25)
         return self.client
+
+    def wait_ready(self) -> None:
+        """Before the first step: a server that is not there at all is a mistake in the URL, not a sample to mask."""
+        if self._connect() is None:
+            raise ServerUnavailable(f"no reward model or verifier server ready within {self.timeout_s:g} s",
+                                    f"reward.url={self.host}:{self.port}",
+                                    "start the server first (aligner serve reward|verifier), or correct reward.url")
 
     def rewards(self, prompts: list[str], responses: list[str], fields: list[dict]) -> list[float | None]:
         """One reward per sample, None where the server gave none. Blocks until the server answered."""
@@ -138,6 +145,11 @@ class RewardScorer:
         self._remote = RemoteReward(url, remote_timeout_s, tokenizer) if url is not None else None
         self._pool = self._start_pool() if self.functions else None
         self._collector = ThreadPoolExecutor(1, thread_name_prefix="reward-scorer")
+
+    def wait_ready(self) -> None:
+        """Raise ServerUnavailable when `url` names no reward or verifier server (see RemoteReward.wait_ready)."""
+        if self._remote is not None:
+            self._remote.wait_ready()
 
     def _start_pool(self) -> ProcessPoolExecutor:
         with _stop_signal_blocked():  # the pool's queues start multiprocessing's resource tracker process

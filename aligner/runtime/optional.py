@@ -11,6 +11,8 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
+from aligner.errors import UserError
+
 # import name -> (pip extra of aligner, what it is for)
 OPTIONAL = {
     "transformer_engine": ("te", "the Transformer-Engine layer spec, TE context-parallel attention and FP8"),
@@ -20,7 +22,7 @@ OPTIONAL = {
 }
 
 
-class MissingOptionalDependency(ImportError):
+class MissingOptionalDependency(UserError, ImportError):
     pass
 
 
@@ -49,7 +51,7 @@ def require(name: str) -> ModuleType:
         return importlib.import_module(name)
     hint = (f"install it with `pip install 'aligner[{extra}]'`" if not found.installed
             else "it is installed but cannot load on this host (no GPU driver?)")
-    raise MissingOptionalDependency(f"{name} is needed for {purpose}; {hint}. Detail: {found.reason}")
+    raise MissingOptionalDependency(f"{name} is needed for {purpose} ({found.reason})", f"import {name}", hint)
 
 
 def report() -> dict[str, Availability]:

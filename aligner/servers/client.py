@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aligner.errors import UserError
 from aligner.runtime.optional import require
 from aligner.servers import protocol
 
@@ -49,8 +50,8 @@ _KIND = {"reward_model": "reward", "verifier": "verifier", "critic_infer": "crit
          "critic_save": "critic", "critic_load": "critic"}
 
 
-class ServerUnavailable(ConnectionError):
-    pass
+class ServerUnavailable(UserError, ConnectionError):
+    fix = "start the server or correct the URL"
 
 
 class CallFailed(Exception):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from aligner.errors import UserError
 from aligner.runtime.optional import require
 from aligner.servers.protocol import Endpoint
 
@@ -58,6 +59,10 @@ def ports(server) -> tuple[int, int, int]:
             server.metrics_port if server.metrics_port is not None else server.port + 2)
 
 
+class PortBusy(UserError, OSError):
+    pass
+
+
 def check_ports_free(host: str, numbers) -> None:
     for port in numbers:
         with socket.socket() as s:
@@ -65,8 +70,9 @@ def check_ports_free(host: str, numbers) -> None:
             try:
                 s.bind((host, port))
             except OSError as e:
-                raise OSError(f"port {port} on {host} is not available ({e.strerror}); another server may be "
-                              f"using it: stop it or set server.port (HTTP P, gRPC P+1, metrics P+2)") from None
+                raise PortBusy(f"port {port} on {host} is not available ({e.strerror}); another server may be "
+                               f"using it", "server.port", "stop it or set server.port (HTTP P, gRPC P+1, metrics P+2)"
+                               ) from None
 
 
 @dataclass(frozen=True)
