@@ -55,7 +55,7 @@ def train(algorithm: str, overrides: list[str]) -> int:
         raise UsageError(f"unknown algorithm '{algorithm}'", "aligner train <algorithm>",
                          f"use one of {', '.join(TRAINERS)}")
     cfg = load_config(algorithm, overrides)
-    errors.set_log_dir(Path(cfg.run_dir) / "logs")
+    _use_log_dir(Path(cfg.run_dir) / "logs")
     _check_paths(cfg)
     if "reward" in cfg:
         _check_rl_inputs(cfg)
@@ -79,6 +79,14 @@ def train(algorithm: str, overrides: list[str]) -> int:
         print(f"aligner train {algorithm}: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
     return 0
+
+
+def _use_log_dir(log_dir: Path) -> None:
+    """Tracebacks and dependencies' warnings of this run go to its logs/ (aligner/errors.py, observe/logs.py)."""
+    from aligner.observe.logs import use_run_log_dir
+
+    errors.set_log_dir(log_dir)
+    use_run_log_dir(log_dir)
 
 
 def _check_paths(cfg) -> None:
@@ -192,7 +200,7 @@ def serve(argv: list[str]) -> int:
     from aligner.servers.config import load_serve_config
 
     cfg = load_serve_config(kind, overrides)
-    errors.set_log_dir(Path(cfg.run_dir) / "logs")
+    _use_log_dir(Path(cfg.run_dir) / "logs")
     from aligner.servers.triton import check_ports_free, ports
 
     check_ports_free(cfg.server.host, ports(cfg.server))  # fail before loading a model; serving checks again
@@ -259,9 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         from aligner.runtime import preemption
 
         preemption.install()
-    from aligner.observe.logs import silence_expected_warnings
+    from aligner.observe.logs import send_warnings_to_log, silence_expected_warnings
 
     silence_expected_warnings()
+    send_warnings_to_log()  # the run's logs/ once a command knows its run directory
     try:
         return dispatch(argv)
     except KeyboardInterrupt:

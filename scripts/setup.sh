@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
 # Creates .venv with aligner and its test dependencies (CPU torch). Idempotent.
+#   bash scripts/setup.sh           the Python environment
+#   bash scripts/setup.sh --tests   also the Debian packages the tests use (as root, with apt-get): Chromium for
+#                                   the report's browser test, Slurm for the local-cluster tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--tests" ]; then
+  if ! command -v chromium >/dev/null; then
+    command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] \
+      || { echo "setup.sh --tests: install Debian's chromium (root and apt-get are needed here)" >&2; exit 1; }
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  fi
+  bash scripts/slurm_local.sh install
+fi
 PY=${PYTHON:-python3}
 [ -d .venv ] || "$PY" -m venv .venv
 source .venv/bin/activate

@@ -38,7 +38,7 @@ def _rank_env(rank: int, world: int, port: int, threads: int, error_file: Path) 
     env = dict(os.environ)
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ALIGNER_ERROR_FILE=str(error_file),
-               ALIGNER_LOG_DIR=str(error_file.parent),
+               ALIGNER_LOG_DIR=str(error_file.parent),  # tracebacks, warnings and rank 0's log lines
                OMP_NUM_THREADS=str(threads))
     env.pop("SLURM_PROCID", None)  # we are the launcher now, not srun
     return env

@@ -9,13 +9,14 @@ import importlib
 import sys
 
 from aligner import errors
-from aligner.observe.logs import silence_expected_warnings
+from aligner.observe.logs import send_warnings_to_log, silence_expected_warnings
 from aligner.runtime import preemption
 
 
 def main(argv: list[str]) -> int:
     preemption.install()  # before the heavy imports: SIGUSR1 would kill the rank until then
     silence_expected_warnings()
+    send_warnings_to_log()  # $ALIGNER_LOG_DIR/warnings.log
     module, function = argv[0].split(":")
     try:
         getattr(importlib.import_module(module), function)(argv[1:])

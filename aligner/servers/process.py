@@ -30,7 +30,7 @@ MODELS = {"reward": ("reward_model",), "critic": ("critic_infer", "critic_train"
 # A server is a job of its own: started from a training rank (PPO's embedded service) it must not take that
 # rank's place in the trainer's process group, nor think an outer launcher started it.
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "ALIGNER_ERROR_FILE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+                  "ALIGNER_ERROR_FILE", "ALIGNER_LOG_DIR", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
 
 class ServerFailed(RuntimeError):

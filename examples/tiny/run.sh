@@ -43,8 +43,15 @@ aligner train ppo run_dir=$T/ppo model.pretrained=$SFT reward.checkpoint=$T/rm/c
   sampling.max_new_tokens=4 sampling.temperature=0.7 optim.lr=1e-5 optim.min_lr=1e-5 algorithm.kl.coef=0.02 \
   critic.optim.lr=1e-3 critic.optim.min_lr=1e-3 "${common[@]}"
 
-echo "--- last metrics: SFT, RM, DPO, GRPO, PPO ---"
-for stage in sft rm dpo grpo ppo; do tail -n 1 $T/$stage/metrics.jsonl; done
+echo "--- each stage's last step ---"
+python - "$T" <<'PY'
+import json, sys
+for stage, keys in (("sft", ("loss", "val/loss")), ("rm", ("loss", "val/accuracy")), ("dpo", ("loss", "val/accuracy")),
+                    ("grpo", ("reward/mean", "kl/mean")), ("ppo", ("reward/mean", "kl/mean"))):
+    last = json.loads(open(f"{sys.argv[1]}/{stage}/metrics.jsonl").read().splitlines()[-1])
+    shown = ", ".join(f"{k} {last[k]:.3f}" for k in keys if k in last)
+    print(f"{stage:5s} step {last['step']:4d}: {shown}")
+PY
 echo "--- GRPO: greedy exact-answer accuracy on $T/rl_val.jsonl (val/reward/mean) ---"
 python - "$T" <<'PY'
 import json, sys
@@ -71,3 +78,7 @@ prompts = [json.loads(line) for line in open(f"{sys.argv[1]}/prompts.jsonl")]
 for p, g in zip(prompts, map(json.loads, open(f"{sys.argv[1]}/generations.jsonl"))):
     print(f"{p['prompt']!r} -> {g['response']!r} | {p['answer']}")
 PY
+aligner report $T/sft $T/rm $T/dpo $T/grpo $T/ppo --out $T/report.html >/dev/null
+echo "--- the curves of every stage, overlaid, with the configs' differences and GRPO's and PPO's rollouts ---"
+echo "report: $T/report.html (open it in a browser; each stage also has <stage>/report.html)"
+
