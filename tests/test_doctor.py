@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -150,28 +148,18 @@ def test_silent_on_what_normal_runs_do(tmp_path):
     assert "reward_hacking" not in fired(write_run(tmp_path / "c", flat))
 
 
-def log_time(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S,000", time.localtime(seconds))
-
-
-def test_service_retries_and_timeouts_in_the_logs_with_their_step(tmp_path):
-    run_dir = tmp_path / "run"
-    start = time.time() - 3600
-    retries = "".join(f"{log_time(start + 95 + i)} WARNING aligner.servers.client: critic_infer at 127.0.0.1:5000: "
+def test_service_retries_and_timeouts_in_the_logs(tmp_path):
+    retries = "".join(f"2026-01-01 00:01:3{i},000 WARNING aligner.servers.client: critic_infer at 127.0.0.1:5000: "
                       f"ConnectionRefusedError (attempt {i + 1} of 4)\n" for i in range(3))
-    timeout = (f"{log_time(start + 130)} WARNING aligner.algorithms.ppo: critic_infer failed for 8 of 32 samples "
+    timeout = ("2026-01-01 00:02:10,000 WARNING aligner.algorithms.ppo: critic_infer failed for 8 of 32 samples "
                "(critic_infer at 127.0.0.1:5000 gave no answer within 60 s); asking again\n")
-    write_run(run_dir, healthy_rows(), logs={"train.log": retries + timeout})
-    (run_dir / "rollouts").mkdir()
-    for step in range(1, STEPS + 1):  # each step's rollouts are written as the step ends, every 10 s
-        path = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
-        path.write_text("{}\n")
-        os.utime(path, (start + 10 * step, start + 10 * step))
-    found = fired(run_dir)
+    found = fired(write_run(tmp_path / "run", healthy_rows(), logs={"train.log": retries + timeout}))
     assert set(found) == {"service_trouble"}
     trouble = found["service_trouble"]
-    assert trouble.step == 10  # written at start + 95 s: during step 10, which ended at start + 100 s
+    # the logs name no step: the finding says `step ?` and quotes the first line, with its time
+    assert trouble.step is None and str(trouble).startswith("step ?: service timeouts and retries — ")
     assert "4 retried request(s), 1 timeout line(s)" in trouble.seen and "train.log" in trouble.seen
+    assert "2026-01-01 00:01:30,000" in trouble.seen
 
 
 def test_a_lost_service_names_the_step_it_stopped_in(tmp_path):
@@ -218,21 +206,35 @@ def test_main_prints_one_line_per_finding_and_returns_1(tmp_path, capsys):
     assert "; try: " in finding[0]
 
 
-def test_main_unreadable_run_dirs_exit_2_with_one_line(tmp_path, capsys):
+def assert_one_error_line(result, *parts: str) -> None:
+    """`aligner doctor` could not read a run: exit code 1, one `error:` line naming `parts`, no traceback."""
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr and all(part in result.stderr for part in parts), result.stderr
+
+
+def test_unreadable_run_dirs_give_one_error_line_and_exit_1(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    for bad in (tmp_path / "missing", empty):
-        assert doctor.main([str(bad)]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and err.count("\n") == 1 and str(bad) in err and "Traceback" not in err
+    assert_one_error_line(run_cli("doctor", str(tmp_path / "missing")), "no such run directory", str(tmp_path / "missing"))
+    assert_one_error_line(run_cli("doctor", str(empty)), "no metrics.jsonl", str(empty / "metrics.jsonl"))
     broken = write_run(tmp_path / "broken", healthy_rows())
     lines = (broken / "metrics.jsonl").read_text().splitlines()
     (broken / "metrics.jsonl").write_text("\n".join(lines[:3] + ['{"step": 3, "lo'] + lines[3:]) + "\n")
-    assert doctor.main([str(broken)]) == 2 and "metrics.jsonl:4" in capsys.readouterr().err
-    # a last line cut short (the process died mid-write) is skipped; several dirs: the worst code wins
-    (broken / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 31, "lo')
-    assert doctor.main([str(broken)]) == 0
-    assert doctor.main([str(broken), str(tmp_path / "missing")]) == 2
+    assert_one_error_line(run_cli("doctor", str(broken)), "line 4 is not JSON", "metrics.jsonl:4")
+    (broken / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (broken / "config.yaml").write_text("trainer: [unclosed\n")
+    assert_one_error_line(run_cli("doctor", str(broken)), "config.yaml is not valid YAML", str(broken / "config.yaml"))
+
+
+def test_a_cut_last_line_is_skipped_and_readable_runs_are_reported_before_the_error(tmp_path, capsys):
+    run_dir = write_run(tmp_path / "run", healthy_rows())
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 31, "lo')  # died mid-write
+    assert doctor.main([str(run_dir)]) == 0 and "no known failure symptoms" in capsys.readouterr().out
+    result = run_cli("doctor", str(run_dir), str(tmp_path / "missing"))
+    assert f"{run_dir}:\n  no known failure symptoms in {STEPS} steps" in result.stdout
+    assert_one_error_line(result, str(tmp_path / "missing"))
 
 
 def test_doctor_imports_no_torch():

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from aligner.errors import UsageError
 from aligner.observe import report, report_html
+from tests.conftest import run_cli
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 HOSTILE = "<script>alert(1)</script>"
@@ -127,16 +129,41 @@ def test_cli_writes_the_default_file(two_runs, capsys):
     assert not list(grpo.glob("*.partial"))
 
 
-@pytest.mark.parametrize("case", ["missing", "no_metrics"])
-def test_missing_run_gives_one_error_line(tmp_path, capsys, case):
+def assert_one_error_line(result, code: int, start: str) -> None:
+    """The CLI's one `error:` line (aligner.errors), last on stderr: its start, the exit code, no traceback."""
+    assert result.returncode == code, result.stderr
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], result.stderr
+    assert lines[-1].startswith(start) and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("case", ["missing", "no_metrics", "bad_metrics_line"])
+def test_an_unreadable_run_gives_one_error_line(tmp_path, case):
     run = tmp_path / "run"
-    if case == "no_metrics":
+    if case == "bad_metrics_line":
+        make_run(tmp_path, "run", [grpo_row(1), grpo_row(2)])
+        (run / "metrics.jsonl").write_text("not json\n" + (run / "metrics.jsonl").read_text())
+    elif case == "no_metrics":
         run.mkdir()
-    assert report.main([str(run), "--out", str(tmp_path / "r.html")]) == 1
-    err = capsys.readouterr().err
-    what = "run directory not found" if case == "missing" else "no metrics.jsonl in the run directory"
-    assert err.startswith(f"error: {what}, {run}, pass the run_dir of an 'aligner train' run")
-    assert err.count("\n") == 1 and not (tmp_path / "r.html").exists()
+    result = run_cli("report", str(run), "--out", str(tmp_path / "r.html"))
+    start = {"missing": f"error: run directory not found, {run}, pass the run_dir of an 'aligner train' run",
+             "no_metrics": f"error: no metrics.jsonl in the run directory, {run}, pass the run_dir of an 'aligner train'",
+             "bad_metrics_line": f"error: metrics line 1 is not JSON, {run / 'metrics.jsonl'}:1, fix or delete"}[case]
+    assert_one_error_line(result, 1, start)
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_an_unwritable_out_and_a_usage_mistake_give_one_error_line(two_runs, tmp_path):
+    grpo, _ = two_runs
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = run_cli("report", str(grpo), "--out", str(blocker / "r.html"))  # --out under a file
+    assert_one_error_line(result, 1, "error: ")
+    assert "--out is writable" in result.stderr
+    assert_one_error_line(run_cli("report"), 2, "error: the following arguments are required: RUN_DIR, aligner report")
+    assert_one_error_line(run_cli("report", str(grpo), "--bogus"), 2, "error: unrecognized arguments: --bogus")
+    with pytest.raises(UsageError):
+        report.main([])
 
 
 def test_a_half_written_last_line_is_skipped(tmp_path):

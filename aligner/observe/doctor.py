@@ -1,24 +1,24 @@
 """`aligner doctor RUN_DIR`: name the known failure symptoms of a run from its files.
 
 Reads `<run_dir>/metrics.jsonl` (the names rl_trainer.py, ppo_trainer.py, rl_samples.py and trainer.py
-write), `config.yaml`, `checkpoints/` and the text logs under the run directory (`logs/rank_*.log` and
-`*.error`, the PPO critic's `critic/server.log`, and any `*.log` / `*.out` a user redirected there).
+write), `config.yaml`, `checkpoints/` and the text logs under the run directory (run_files.py reads them).
 Each rule is a small pure function of a `Run` returning at most one `Finding`: the step where the symptom
 started, what was seen (numbers), what to try. No torch here: this runs on a laptop beside the run's files.
+
+Exit code: 0 healthy; 1 when a symptom was found (a `step N: ...` line for each on stdout) or a run
+directory could not be read (`RunDirError`, a `UserError`: aligner.cli prints its one `error:` line).
+Log findings carry the step the logs name (a lost service's), else `step ?`: the quoted line has its time.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-import yaml
+from aligner.observe.run_files import (RunDirError, checked_run_dir, read_checkpoints, read_config, read_logs,
+                                       read_rows)
 
 # ---- thresholds ------------------------------------------------------------------------------------
 BASELINE_STEPS = 3  # a run's first logged steps are its own baseline: levels differ by model and task
@@ -37,14 +37,11 @@ ENDED_DROP = 0.25  # a quarter more of the samples now cut at max_new_tokens tha
 THROUGHPUT_DROP = 0.5  # tokens/s below half the baseline: a slowdown, not noise
 
 THROUGHPUT_KEYS = ("throughput/generated_tokens_per_s", "throughput/tokens_per_s")  # RL, then the shared loop
-LOG_SUFFIXES = (".log", ".out", ".err", ".error")
-NOT_LOGS = ("checkpoints", "rollouts", "tensorboard")  # run_dir folders that hold no text logs
 RETRY = re.compile(r"\(attempt \d+ of \d+\)\s*$|; asking again\s*$")  # servers/client.py, algorithms/ppo.py
 TIMEOUT = re.compile(r"gave no answer within|timed out|timeout: ", re.IGNORECASE)  # client.py; scoring.py's status
 SERVICE_LOST = re.compile(r"stopped during step (\d+): the last checkpoint is consistent")  # ppo_trainer.py
 NO_SERVER = re.compile(r"no (?:reward or verifier|\w+) server (?:ready )?at ")  # rewards/scoring.py, client.py
 UNSCORED_LINE = re.compile(r"samples unscored|could not score their sample")  # rewards/scoring.py
-LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")  # observe/logs.py's %(asctime)s
 
 
 @dataclass(frozen=True)
@@ -66,17 +63,12 @@ class Run:
     logs: dict[str, str] = field(default_factory=dict)  # path relative to run_dir -> text
     checkpoints: list[int] = field(default_factory=list)  # steps of the complete checkpoints
     partial: list[str] = field(default_factory=list)  # names of checkpoints left half-written
-    step_ends: list[tuple[float, int]] = field(default_factory=list)  # (mtime of rollouts/step_N.jsonl, N)
 
     def setting(self, dotted: str, default=None):
         node = self.config
         for key in dotted.split("."):
             node = node.get(key) if isinstance(node, dict) else None
         return default if node is None else node
-
-
-class RunDirError(Exception):
-    """A run directory doctor cannot read: `what, where, how to fix`."""
 
 
 # ---- series helpers -------------------------------------------------------------------------------
@@ -251,8 +243,7 @@ def service_trouble(run: Run) -> Finding | None:
     first = hits[0][1]
     retries = sum(bool(RETRY.search(line)) for _, line in hits)
     timeouts = sum(bool(TIMEOUT.search(line)) for _, line in hits)
-    step = step_at(run, first)
-    return Finding("service_trouble", step if step is not None else lost,
+    return Finding("service_trouble", lost,
                    f"{retries} retried request(s), {timeouts} timeout line(s)"
                    + (f", the run stopped at step {lost} (service lost)" if lost else "")
                    + f"; first in {hits[0][0]}: {first.strip()[-200:]}",
@@ -348,56 +339,11 @@ def unchecked(run: Run) -> dict[str, str]:
     return out
 
 
-# ---- reading a run directory ----------------------------------------------------------------------------
-def step_at(run: Run, line: str) -> int | None:
-    """The step a timestamped log line was written in: the first whose rollouts file is not older."""
-    m = LOG_TIME.match(line.strip())
-    if not m or not run.step_ends:
-        return None
-    when = time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S"))
-    return next((step for end, step in run.step_ends if end >= when), run.step_ends[-1][1] + 1)
-
-
-def read_rows(path: Path) -> list[dict]:
-    lines, rows = path.read_text().splitlines(), []
-    for number, line in enumerate(lines, 1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number < len(lines):  # a last line cut short is a process that died mid-write: skip it
-                raise RunDirError(f"line {number} is not JSON, {path}:{number}, remove or repair it") from None
-    return rows
-
-
-def read_checkpoints(folder: Path) -> tuple[list[int], list[str]]:
-    """Steps of the complete checkpoints (checkpoint.py's COMPLETE marker; the step recorded inside
-    aligner.json, as `latest_checkpoint` trusts it over the name) and the half-written ones' names."""
-    complete, partial = [], []
-    for path in sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []:
-        if path.name.endswith(".partial") or not (path / "COMPLETE").exists():
-            partial.append(path.name)
-        elif (path / "aligner.json").exists():
-            complete.append(json.loads((path / "aligner.json").read_text()).get("trainer_state", {}).get("step", -1))
-    return complete, partial
-
-
-def read_logs(run_dir: Path) -> dict[str, str]:
-    return {str(p.relative_to(run_dir)): p.read_text(errors="replace") for p in sorted(run_dir.rglob("*"))
-            if p.suffix in LOG_SUFFIXES and p.is_file() and p.relative_to(run_dir).parts[0] not in NOT_LOGS}
-
-
+# ---- the command ---------------------------------------------------------------------------------------
 def load_run(run_dir) -> Run:
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise RunDirError(f"no such run directory, {run_dir}, pass the run_dir of an `aligner train` run")
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.exists():
-        raise RunDirError(f"no metrics.jsonl (no step logged yet, or not a run directory), {metrics}, "
-                          "pass the run_dir the run was started with, or wait for its first logged step")
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
-    checkpoints, partial = read_checkpoints(run_dir / "checkpoints")
-    ends = sorted((p.stat().st_mtime, int(p.stem.split("_")[1])) for p in run_dir.glob("rollouts/step_*.jsonl"))
-    return Run(read_rows(metrics), config or {}, read_logs(run_dir), checkpoints, partial, ends)
+    run_dir = checked_run_dir(run_dir)
+    return Run(read_rows(run_dir / "metrics.jsonl"), read_config(run_dir), read_logs(run_dir),
+               *read_checkpoints(run_dir / "checkpoints"))
 
 
 def findings_of(run: Run) -> list[Finding]:
@@ -411,14 +357,14 @@ def diagnose(run_dir) -> list[Finding]:
 
 
 def main(run_dirs: list[str]) -> int:
-    """Print each run's findings; 0 = healthy, 1 = a symptom was found, 2 = a run dir could not be read."""
-    code = 0
+    """Print each readable run's findings: 0 = healthy, 1 = a symptom was found. The first run directory
+    that could not be read is raised once the others are printed (its `error:` line, exit code 1)."""
+    code, unreadable = 0, None
     for run_dir in run_dirs:
         try:
             run = load_run(run_dir)
         except RunDirError as e:
-            print(f"error: {e}", file=sys.stderr)
-            code = 2
+            unreadable = unreadable or e
             continue
         findings, last = findings_of(run), max((r["step"] for r in run.rows), default=0)
         print(f"{run_dir}:")
@@ -430,4 +376,6 @@ def main(run_dirs: list[str]) -> int:
         if skipped:
             print("  not checked: " + "; ".join(f"{name} ({why})" for name, why in skipped.items()))
         code = max(code, 1 if findings else 0)
+    if unreadable is not None:
+        raise unreadable
     return code

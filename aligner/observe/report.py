@@ -16,7 +16,10 @@ plotly.min.js; its Python figure API is not used: the traces are written as JSON
 * it stacks areas (`stackgroup`) for the timing breakdown, and is maintained and MIT-licensed.
 The cost is ~5 MB of JavaScript per report file.
 
-aligner.observe is the lowest layer: nothing here imports torch or another aligner package.
+A run directory that cannot be read, or an --out that cannot be written, raises `ReportError` and a
+command-line mistake `UsageError` (both `aligner.errors.UserError`s): aligner.cli prints one `error:`
+line (exit code 1, or 2 for usage). aligner.observe is the lowest layer: nothing here imports torch or
+another aligner package but aligner.errors.
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ import argparse
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from aligner.errors import UsageError, UserError
 
 ROLLOUT_STEPS = 3  # the latest rollouts/step_<N>.jsonl files shown per run
 MAX_POINTS = 5000  # longer series are thinned (every k-th step) to keep the page light
@@ -55,11 +59,19 @@ UNSTACKED = re.compile(r"step|score|.+_server")
 ALGORITHM_GROUPS = ["critic", "spin", "steerlm", "rm", "dpo", "orpo", "simpo", "kto"]
 
 
-class ReportError(Exception):
-    """A run directory the report cannot read: `main` prints it as one `error:` line."""
+class ReportError(UserError):
+    """A run directory the report cannot read, or a file it cannot write (exit code 1)."""
 
     def __init__(self, what: str, where: Path | str, fix: str):
-        super().__init__(f"{what}, {where}, {fix}")
+        super().__init__(what, str(where), fix)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes raise `UsageError` (one `error:` line, exit code 2), as aligner.cli's does
+    (this layer may not import aligner.cli)."""
+
+    def error(self, message: str):
+        raise UsageError(message, self.prog, f"see `{self.prog} --help`")
 
 
 @dataclass
@@ -294,24 +306,17 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="aligner report",
-                                     description="Write one self-contained HTML report of one or more training runs.")
+    """Write the report and print its path; a mistake raises a UserError for aligner.cli to print."""
+    parser = ArgumentParser(prog="aligner report",
+                            description="Write one self-contained HTML report of one or more training runs.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (they hold metrics.jsonl)")
     parser.add_argument("--out", help="the HTML file to write (default: <first RUN_DIR>/report.html)")
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report.html"
     try:
         path = write_report(args.run_dirs, out)
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except OSError as e:
-        print(f"error: {e.strerror or e}, {e.filename or out}, check that the run files are readable and "
-              f"--out is writable", file=sys.stderr)
-        return 1
+        raise ReportError(e.strerror or str(e), e.filename or out,
+                          "check that the run files are readable and --out is writable") from e
     print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
