@@ -17,6 +17,11 @@ def test_tiny_example_runs_end_to_end(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "examples/tiny/run.sh")], env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
+    # a quiet terminal: dependencies' warnings went to each run's logs/warnings.log, not to stderr
+    assert [line for line in result.stderr.splitlines() if "Warning" in line] == []
+    assert any("Warning" in (tmp_path / stage / "logs" / "warnings.log").read_text() for stage in ("rm", "grpo"))
+    assert f"report: {tmp_path}/report.html" in result.stdout
+    assert all((tmp_path / stage / "report.html").stat().st_size > 0 for stage in ("sft", "rm", "dpo", "grpo", "ppo"))
     sft, rm, dpo = (read_metrics(tmp_path / stage) for stage in ("sft", "rm", "dpo"))
     val = [m["val/loss"] for m in sft if "val/loss" in m]
     assert len(sft) == 300 and val[-1] < val[0] and sft[-1]["loss"] < sft[0]["loss"] / 2
