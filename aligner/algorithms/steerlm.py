@@ -5,13 +5,21 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from aligner.algorithms import sft
 from aligner.config import load_resolved
 from aligner.data.steerlm import condition_ids, parse_attributes, write_attribute_labels
 from aligner.data.tokenizer import load_tokenizer
-from aligner.models.checkpoint import read_metadata
-from aligner.models.scoring import score_checkpoint
+from aligner.models.checkpoint import load_weights, read_metadata, scalar_head_outputs
+from aligner.models.heads import last_token_scores
+from aligner.models.hf_convert import single_process
+from aligner.models.scoring import build_scalar_model, forward_rows
+from aligner.observe.progress import Progress
+from aligner.runtime.distributed import device
+from aligner.runtime.seeding import seed_everything
 
 
 def main(argv: list[str]) -> None:
@@ -38,7 +46,39 @@ def label_attributes(rm_checkpoint, data_path, out_path, scale: int = 4, fmt: st
                          f"(train one with rm.loss=regression rm.attributes=[...])")
 
     def score(sequences):
-        return score_checkpoint(rm_checkpoint, sequences, micro_batch_size=batch_size).tolist()
+        return score_in_batches(rm_checkpoint, sequences, batch_size)
 
     return write_attribute_labels(score, names, load_tokenizer(Path(rm_checkpoint) / "tokenizer"), data_path,
                                   out_path, scale, fmt)
+
+
+def score_in_batches(rm_checkpoint, sequences: list[list[int]], batch_size: int) -> list[list[float]]:
+    """`score_checkpoint(rm_checkpoint, sequences, micro_batch_size=batch_size)` one micro-batch per call,
+    so that a progress bar follows it: every batch has batch_size rows (the last one padded) as wide as
+    the longest sequence, as score_checkpoint's micro-batches are, so the scores are the same."""
+    with single_process():
+        seed_everything(0)
+        outputs = scalar_head_outputs(rm_checkpoint)
+        parallel = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, params_dtype=None)
+        model, _, _ = build_scalar_model(rm_checkpoint, parallel, outputs)
+        load_weights(rm_checkpoint, model)
+        model.eval()
+        rows, width, height = [], max(map(len, sequences), default=1), min(batch_size, len(sequences))
+        with Progress(len(sequences), unit="record", desc="label-attributes") as progress:
+            for start in range(0, len(sequences), batch_size):
+                batch = sequences[start:start + batch_size]
+                tokens, lengths = _padded(batch, width, height)
+                scores = forward_rows(model, tokens, lengths, batch_size, last_token_scores, (outputs,))
+                rows += scores[:len(batch)].tolist()
+                progress.update(n=len(batch))
+        return rows
+
+
+def _padded(sequences: list[list[int]], width: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, width] tokens (zeros after each sequence; rows past the sequences hold one 0 token) and lengths."""
+    tokens = torch.zeros((rows, width), dtype=torch.int64)
+    lengths = torch.ones(rows, dtype=torch.int64)
+    for row, ids in enumerate(sequences):
+        tokens[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+        lengths[row] = len(ids)
+    return tokens.to(device()), lengths.to(device())

@@ -146,7 +146,8 @@ class Trainer:
         t = self.cfg.trainer
         self.resume()
         metrics_log = MetricsLog(self.run_dir, self.cfg, self.step) if self.is_logger else None
-        progress = Progress(t.max_steps, self.step, self.is_logger and self.cfg.logging.progress)
+        progress = Progress(t.max_steps, self.step, self.cfg.logging.progress, silent=not self.is_logger,
+                            desc="train")
         saved_at = self.step
         if self.validate_at_start and self.step == 0 and self.val_data is not None:
             start = self.validate()

@@ -5,7 +5,9 @@ per line: {"prompt": "text"} (needs the tokenizer; encoded with its default spec
 {"prompt_ids": [int, ...]}. The output has one JSON line per prompt, in input order:
 {"response_ids": [...], "response": text or null, "logprobs": [...], "stop_reason": ...}.
 Sample i is seeded with (sampling.seed, i), so the output does not depend on batch_size or on the
-number of ranks. A SteerLM checkpoint (`aligner train steerlm`) is steered with
+number of ranks, up to float rounding (other batches pad differently: the log-probs move in their last
+bits). Progress: a bar on a terminal, else a log line every 30 s (aligner.observe.progress).
+A SteerLM checkpoint (`aligner train steerlm`) is steered with
 `steerlm.attributes=name:value,...` (every attribute it was trained on): each prompt then starts with
 the same condition as in training. Overrides (key=value): see OVERRIDES. Several ranks run through the embedded
 launcher; TP x PP must divide launcher.nproc_per_node, the remaining factor splits the prompts (DP).
@@ -30,6 +32,7 @@ from aligner.generation.types import DECODE_MODES, SamplingParams
 from aligner.launch.local import launch
 from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata
 from aligner.models.gpt import build_gpt
+from aligner.observe.progress import Progress
 from aligner.runtime.cpu_memory import keep_freed_memory
 
 # megatron, and the modules that import it (the engine, runtime.distributed, runtime.seeding), are
@@ -125,6 +128,12 @@ def steer(prompts: list[list[int]], attributes: str, model_dir: Path, tokenizer)
     return [insert_condition(ids, None, condition, tokenizer.bos_token_id)[0] for ids in prompts]
 
 
+def response_records(rollout, tokenizer) -> list[dict]:
+    return [{"response_ids": ids, "response": tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None,
+             "logprobs": lps, "stop_reason": reason}
+            for ids, lps, reason in zip(rollout.responses(), rollout.response_logprobs(), rollout.stop_reason)]
+
+
 def run_generation(job: dict) -> None:
     """One rank: load the checkpoint under TP x PP, generate this data-parallel rank's share, rank 0 writes."""
     from megatron.core import parallel_state as ps
@@ -157,11 +166,16 @@ def run_generation(job: dict) -> None:
     engine = MegatronEngine(model, model_cfg, vocab_size, eos_id=eos,
                             pad_id=tokenizer.pad_token_id if tokenizer is not None else None,
                             tokenizer=tokenizer, max_batch_size=values["batch_size"], decode=values["decode"])
-    rollout = engine.generate([prompts[i] for i in mine], params,
-                              seeds=[rng.derive_seed(params.seed, i) for i in mine])
-    records = [{"response_ids": ids, "response": tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None,
-                "logprobs": lps, "stop_reason": reason}
-               for ids, lps, reason in zip(rollout.responses(), rollout.response_logprobs(), rollout.stop_reason)]
+    records = []
+    # batch_size prompts per call, as the engine would batch them in one call: the same output, and
+    # a progress bar (or log summaries) of rank 0's share that moves per batch
+    with Progress(len(mine), unit="prompt", desc="generate", silent=dist.get_rank() != 0) as progress:
+        for start in range(0, len(mine), values["batch_size"]):
+            batch = mine[start:start + values["batch_size"]]
+            rollout = engine.generate([prompts[i] for i in batch], params,
+                                      seeds=[rng.derive_seed(params.seed, i) for i in batch])
+            records += response_records(rollout, tokenizer)
+            progress.update(n=len(batch))
     first_of_replica = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (dp_rank, records) if first_of_replica else None)

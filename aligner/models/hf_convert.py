@@ -29,6 +29,7 @@ import torch
 
 from aligner.errors import UserError
 from aligner.models import hf_weights as hw
+from aligner.observe.progress import Progress
 
 # Files of a HF model directory that belong to its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -184,6 +185,7 @@ def _import_main(argv: list[str], initialised: bool = False) -> None:
 @torch.no_grad()
 def import_rank(hf_dir, out_dir, params_dtype: str = "", *, tp: int, pp: int) -> None:
     """Collective, in a process group already set up for (tp, pp): build, fill, save."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from aligner.models.checkpoint import save_checkpoint
@@ -206,10 +208,14 @@ def import_rank(hf_dir, out_dir, params_dtype: str = "", *, tp: int, pp: int) ->
 
         attach_scalar_head(model, score)
     g = hw.Geometry.of(cfg, vocab, score_outputs=score)
-    for name, param in model.named_parameters():
-        canonical = hw.canonical_name(name, offset)
-        full = hw.from_hf(canonical, reader.get, g)
-        param.copy_(full if score and canonical == "output_layer.weight" else hw.shard(canonical, full, tp, tp_rank))
+    parameters = list(model.named_parameters())
+    with Progress(len(parameters), unit="tensor", desc="convert", silent=dist.get_rank() != 0) as progress:
+        for name, param in parameters:
+            canonical = hw.canonical_name(name, offset)
+            full = hw.from_hf(canonical, reader.get, g)
+            replicated = score and canonical == "output_layer.weight"
+            param.copy_(full if replicated else hw.shard(canonical, full, tp, tp_rank))
+            progress.update()
     generation = Path(hf_dir) / "generation_config.json"
     extra = {"hf": {"architecture": hw.hf_architecture(hf_config), "config": hf_config,
                     "generation_config": json.loads(generation.read_text()) if generation.exists() else None}}
@@ -281,7 +287,16 @@ def export_rank(ckpt_dir, out_dir, dtype: str = "", max_shard_bytes: str | int =
     config = hw.hf_config_from_model(cfg, vocab, architecture, dtype, base=hf.get("config"))
     if outputs:
         _as_sequence_classification(config, meta, outputs, tokenizer_dir)
-    write_hf_dir(out_dir, config, buckets, tokenizer_dir, hf.get("generation_config"))
+    g = hw.Geometry.of(cfg, vocab, score_outputs=outputs)
+    with Progress(sum(len(hw.hf_names(n, g)) for n in hw.mcore_names(g)), unit="tensor", desc="convert") as progress:
+        write_hf_dir(out_dir, config, _counted(buckets, progress), tokenizer_dir, hf.get("generation_config"))
+
+
+def _counted(buckets, progress):
+    """The buckets, each one's tensors counted once write_hf_dir has saved it (max_shard_bytes a step)."""
+    for bucket in buckets:
+        yield bucket
+        progress.update(n=len(bucket))
 
 
 def _as_sequence_classification(config: dict, meta: dict, outputs: int, tokenizer_dir: Path) -> None:

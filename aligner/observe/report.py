@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aligner.errors import UsageError, UserError
+from aligner.observe.progress import Progress
 
 ROLLOUT_STEPS = 3  # the latest rollouts/step_<N>.jsonl files shown per run
 MAX_POINTS = 5000  # longer series are thinned (every k-th step) to keep the page light
@@ -172,7 +173,8 @@ def run_labels(paths: list[Path]) -> list[str]:
     return [str(p) for p in paths]  # the same directory given twice
 
 
-def load_runs(run_dirs: list[str | Path]) -> list[Run]:
+def load_runs(run_dirs: list[str | Path], progress: bool = False) -> list[Run]:
+    """The runs, read one by one (`progress`: with a progress bar on a terminal, for `aligner report`)."""
     paths = [Path(d).resolve() for d in run_dirs]
     for given, path in zip(run_dirs, paths):
         if not path.is_dir():
@@ -182,9 +184,11 @@ def load_runs(run_dirs: list[str | Path]) -> list[Run]:
             raise ReportError("no metrics.jsonl in the run directory", given,
                               "pass the run_dir of an 'aligner train' run that has logged a step")
     runs = []
-    for path, label in zip(paths, run_labels(paths)):
-        config, text = read_config(path)
-        runs.append(Run(path, label, read_metrics(path / "metrics.jsonl"), config, text, read_rollouts(path)))
+    with Progress(len(paths), unit="run", desc="report", silent=not progress) as bar:
+        for path, label in zip(paths, run_labels(paths)):
+            config, text = read_config(path)
+            runs.append(Run(path, label, read_metrics(path / "metrics.jsonl"), config, text, read_rollouts(path)))
+            bar.update()
     return runs
 
 
@@ -291,11 +295,11 @@ def config_diff(runs: list[Run]) -> list[tuple[str, list[str | None]]]:
 
 
 # ---- the report and the command -------------------------------------------------------------------------
-def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
+def write_report(run_dirs: list[str | Path], out: str | Path, progress: bool = False) -> Path:
     """Write the HTML report of `run_dirs` to `out` (replaced whole, so an open copy never sees half a file)."""
     from aligner.observe import report_html
 
-    runs = load_runs(run_dirs)
+    runs = load_runs(run_dirs, progress)
     page = report_html.render(runs, charts(runs), config_diff(runs))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -314,7 +318,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report.html"
     try:
-        path = write_report(args.run_dirs, out)
+        path = write_report(args.run_dirs, out, progress=True)
     except OSError as e:
         raise ReportError(e.strerror or str(e), e.filename or out,
                           "check that the run files are readable and --out is writable") from e
