@@ -28,6 +28,9 @@ def test_sft_learns_and_writes_the_run_directory(tiny_assets, tmp_path):
     assert last < 0.6 * first, (first, last)
     assert metrics[19]["val/loss"] > metrics[39]["val/loss"]
     assert (run_dir / "config.yaml").exists() and any((run_dir / "tensorboard").iterdir())
+    report = (run_dir / "report.html").read_text()  # rewritten at each checkpoint and at the end
+    assert report.count('"x":') >= 2 and f"report: {run_dir / 'report.html'}" in result.stderr
+    assert "saved checkpoint" in (run_dir / "logs" / "rank_0.log").read_text()
     for step in (20, 40):
         ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
         assert (ckpt / "COMPLETE").exists() and (ckpt / "tokenizer" / "tokenizer.json").exists()

@@ -23,8 +23,10 @@ from megatron.core import parallel_state as ps
 from aligner.algorithms.training_step import forward_backward, forward_only, means, optimizer_step
 from aligner.data.loader import GlobalBatchSampler, split_for_rank
 from aligner.models import checkpoint
+from aligner.errors import UserError
 from aligner.observe.metrics import MetricsLog
 from aligner.observe.progress import Progress
+from aligner.observe.report import write_report
 from aligner.runtime import preemption
 from aligner.runtime.seeding import rng_state, set_rng_state
 
@@ -122,6 +124,16 @@ class Trainer:
                                           head=self.head, extra_meta=self.extra_meta)
         if self.is_logger:
             log.info("saved checkpoint %s", path)
+        self.write_report()
+
+    def write_report(self) -> None:
+        """`<run_dir>/report.html` (aligner report), refreshed at each checkpoint and at the end: tens of ms."""
+        if not self.is_logger:
+            return
+        try:
+            write_report([self.run_dir], self.run_dir / "report.html")
+        except (UserError, OSError) as e:  # a report must never stop a run
+            log.warning("report not written: %s", e)
 
     def resume(self) -> None:
         latest = checkpoint.latest_checkpoint(self.run_dir / "checkpoints")
@@ -175,6 +187,9 @@ class Trainer:
         if t.save_last and saved_at != self.step:
             self.save()
         self._close(progress, metrics_log)
+        self.write_report()
+        if self.is_logger:
+            log.info("report: %s", self.run_dir / "report.html")
 
     @staticmethod
     def _close(progress, metrics_log) -> None:
