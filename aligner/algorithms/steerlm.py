@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -13,13 +12,12 @@ from aligner.algorithms import sft
 from aligner.config import load_resolved
 from aligner.data.steerlm import condition_ids, parse_attributes, write_attribute_labels
 from aligner.data.tokenizer import load_tokenizer
-from aligner.models.checkpoint import load_weights, read_metadata, scalar_head_outputs
+from aligner.models.checkpoint import read_metadata
 from aligner.models.heads import last_token_scores
 from aligner.models.hf_convert import single_process
-from aligner.models.scoring import build_scalar_model, forward_rows
+from aligner.models.scoring import forward_rows, load_scalar_model
 from aligner.observe.progress import Progress
 from aligner.runtime.distributed import device
-from aligner.runtime.seeding import seed_everything
 
 
 def main(argv: list[str]) -> None:
@@ -57,12 +55,7 @@ def score_in_batches(rm_checkpoint, sequences: list[list[int]], batch_size: int)
     so that a progress bar follows it: every batch has batch_size rows (the last one padded) as wide as
     the longest sequence, as score_checkpoint's micro-batches are, so the scores are the same."""
     with single_process():
-        seed_everything(0)
-        outputs = scalar_head_outputs(rm_checkpoint)
-        parallel = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, params_dtype=None)
-        model, _, _ = build_scalar_model(rm_checkpoint, parallel, outputs)
-        load_weights(rm_checkpoint, model)
-        model.eval()
+        model, outputs = load_scalar_model(rm_checkpoint)
         rows, width, height = [], max(map(len, sequences), default=1), min(batch_size, len(sequences))
         with Progress(len(sequences), unit="record", desc="label-attributes") as progress:
             for start in range(0, len(sequences), batch_size):

@@ -180,18 +180,25 @@ def forward_rows(model, tokens: torch.Tensor, lengths: torch.Tensor, micro_batch
     return None if full is None else full[:rows]
 
 
+def load_scalar_model(checkpoint):
+    """(model in eval mode, its number of outputs): a scalar-head checkpoint at TP=PP=1 on this process
+    (inside `single_process()`)."""
+    seed_everything(0)
+    outputs = scalar_head_outputs(checkpoint)
+    parallel = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, params_dtype=None)
+    model, _, _ = build_scalar_model(checkpoint, parallel, outputs)
+    load_weights(checkpoint, model)
+    model.eval()
+    return model, outputs
+
+
 def score_checkpoint(checkpoint, sequences: list[list[int]], per_token: bool = False,
                      micro_batch_size: int = 8) -> torch.Tensor:
     """A scalar-head checkpoint (reward or value) run in this process (TP=PP=1) on token sequences:
     rewards [n, A] at each sequence's last token, or with `per_token` values [n, longest] (0 past
     each sequence's end) from the first output."""
     with single_process():
-        seed_everything(0)
-        outputs = scalar_head_outputs(checkpoint)
-        parallel = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, params_dtype=None)
-        model, _, _ = build_scalar_model(checkpoint, parallel, outputs)
-        load_weights(checkpoint, model)
-        model.eval()
+        model, outputs = load_scalar_model(checkpoint)
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         tokens = torch.zeros((len(sequences), int(lengths.max())), dtype=torch.int64)
         for row, ids in enumerate(sequences):
