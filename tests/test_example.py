@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 from tests.conftest import read_metrics
+from tests.test_report import ARTIFACTS, open_in_chromium
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +23,9 @@ def test_tiny_example_runs_end_to_end(tmp_path):
     assert any("Warning" in (tmp_path / stage / "logs" / "warnings.log").read_text() for stage in ("rm", "grpo"))
     assert f"report: {tmp_path}/report.html" in result.stdout
     assert all((tmp_path / stage / "report.html").stat().st_size > 0 for stage in ("sft", "rm", "dpo", "grpo", "ppo"))
+    seen = open_in_chromium(tmp_path / "report.html", ARTIFACTS / "example_report.png")  # every stage, overlaid
+    assert seen["errors"] == [] and seen["dialogs"] == [] and len(seen["drawn"]) >= 13
+    assert [d["title"] for d in seen["drawn"] if d["lines"] + d["points"] == 0] == []
     sft, rm, dpo = (read_metrics(tmp_path / stage) for stage in ("sft", "rm", "dpo"))
     val = [m["val/loss"] for m in sft if "val/loss" in m]
     assert len(sft) == 300 and val[-1] < val[0] and sft[-1]["loss"] < sft[0]["loss"] / 2

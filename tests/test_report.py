@@ -199,30 +199,38 @@ def chromium() -> str:
     return path
 
 
-def test_report_renders_in_headless_chromium(two_runs, tmp_path):
+def open_in_chromium(html: Path, screenshot: Path) -> dict:
+    """Open `html` in headless Chromium, wait for the charts, save a full-page screenshot: what it drew
+    per chart, the console/page errors, the requests it made and any dialogs."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
         pytest.fail("the Playwright Python package is missing: pip install -e '.[test]' (it drives the system Chromium)")
-    out = report.write_report(list(two_runs), tmp_path / "report.html")
-    expected = [c["title"] for c in report.charts(report.load_runs(list(two_runs)))]
-    errors, requests, dialogs = [], [], []
+    seen = {"errors": [], "requests": [], "dialogs": []}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium())
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("request", lambda r: requests.append(r.url))
-            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
-            page.goto(out.as_uri())
+            page.on("console", lambda m: seen["errors"].append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: seen["errors"].append(str(e)))
+            page.on("request", lambda r: seen["requests"].append(r.url))
+            page.on("dialog", lambda d: (seen["dialogs"].append(d.message), d.dismiss()))
+            page.goto(html.as_uri())
             page.wait_for_function("document.body.dataset.rendered === 'true'", timeout=20_000)
-            drawn = page.evaluate(DRAWN)
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+            seen["drawn"] = page.evaluate(DRAWN)
+            screenshot.parent.mkdir(exist_ok=True)
+            page.screenshot(path=str(screenshot), full_page=True)
         finally:
             browser.close()
-    print(f"screenshot: {ARTIFACTS / 'report.png'}")
+    print(f"screenshot: {screenshot}")
+    return seen
+
+
+def test_report_renders_in_headless_chromium(two_runs, tmp_path):
+    out = report.write_report(list(two_runs), tmp_path / "report.html")
+    expected = [c["title"] for c in report.charts(report.load_runs(list(two_runs)))]
+    seen = open_in_chromium(out, ARTIFACTS / "report.png")
+    errors, requests, dialogs, drawn = seen["errors"], seen["requests"], seen["dialogs"], seen["drawn"]
     assert errors == [] and dialogs == []
     assert requests == [out.as_uri()]  # self-contained: nothing fetched beyond the file itself
     assert [d["title"] for d in drawn] == expected
