@@ -99,6 +99,8 @@ CASES = [
          1, ("C++ compiler", "decode"), env={"PATH": os.path.dirname(sys.executable)}),
     Case("missing optional GPU package", sft("model.transformer_impl=transformer_engine"), 1,
          ("transformer_engine", "pip install")),
+    Case("missing optional GPU package, two ranks", sft("model.transformer_impl=transformer_engine", TWO_RANKS), 1,
+         ("transformer_engine", "pip install")),
 ]
 
 

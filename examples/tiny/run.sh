@@ -28,9 +28,11 @@ aligner train dpo run_dir=$T/dpo model.pretrained=$SFT data.train_path=$T/pref_t
 aligner generate --model $T/dpo/checkpoints/step_000030 --prompts $T/prompts.jsonl --out $T/generations.jsonl \
   sampling.greedy=true sampling.max_new_tokens=12
 
-# 32 prompts x 8 samples per step, 4 optimizer steps of 64 samples each (so old log-probs are computed)
+# 32 prompts x 8 samples per step, 4 optimizer steps of 64 samples each (so old log-probs are computed); DAPO's
+# dynamic sampling replaces the groups whose 8 answers are all right or all wrong (they teach nothing)
 aligner train grpo run_dir=$T/grpo model.pretrained=$SFT data.train_path=$T/rl_train.jsonl \
   data.val_path=$T/rl_val.jsonl reward.functions=[arithmetic] trainer.max_steps=150 trainer.val_interval=50 \
+  algorithm.dynamic_sampling.enabled=true \
   algorithm.prompts_per_step=32 algorithm.num_generations=8 trainer.global_batch_size=64 trainer.micro_batch_size=64 \
   sampling.max_new_tokens=4 optim.lr=1e-4 optim.min_lr=1e-4 algorithm.kl.coef=0.01 "${common[@]}"
 
