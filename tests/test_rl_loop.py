@@ -124,7 +124,7 @@ def test_bad_inputs_fail_before_launch(tiny_assets, rl_assets, tmp_path):
     bad = tmp_path / "bad.jsonl"
     write_jsonl_lines(bad, ['{"prompt": "1+1=", "answer": "2"}', '{"question": "2+2="}'])
     result = run_cli(*grpo_args(tiny_assets, rl_assets, tmp_path / "run", f"data.train_path={bad}"))
-    assert result.returncode == 2 and f"{bad}:2" in result.stderr and "'prompt'" in result.stderr
+    assert result.returncode == 1 and f"{bad}:2" in result.stderr and "'prompt'" in result.stderr  # a data error
     result = run_cli(*grpo_args(tiny_assets, rl_assets, tmp_path / "run", "reward.functions=[no_such_rule]"))
     assert result.returncode == 2 and "no_such_rule" in result.stderr
     result = run_cli(*grpo_args(tiny_assets, rl_assets, tmp_path / "run", "model.context_parallel_size=2",
