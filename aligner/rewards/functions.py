@@ -16,6 +16,8 @@ Builtins (a missing field they need leaves the sample unscored):
 * `exact_match`: 1.0 iff the response equals `answer`, both stripped of surrounding whitespace.
 * `regex`: 1.0 iff `re.search(pattern, response)` finds a match anywhere in the response (no flags: put
   `^...$` or inline flags such as `(?s)` in the pattern); an invalid pattern leaves the sample unscored.
+* `code` / `code_all`: the response's program run against the record's `tests` in a sandbox
+  (`aligner.rewards.code`): the fraction of tests passed / 1.0 iff all pass.
 * `format`: DeepSeek-R1's layout without its answer tags: 1.0 iff the response (after leading whitespace)
   is one `<think>...</think>` block followed by a non-blank answer, with no other think tag anywhere.
 
@@ -34,6 +36,7 @@ import signal
 import sys
 from typing import Callable
 
+from aligner.rewards.code import code_all_passed, code_reward
 from aligner.rewards.math import arithmetic_verdict, math_verdict
 from aligner.runtime.preemption import STOP_SIGNAL
 
@@ -68,7 +71,7 @@ def r1_format(prompt: str, response: str, /, **fields) -> float:
 
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "math": math_answer, "arithmetic": arithmetic_answer, "exact_match": exact_match, "regex": regex_match,
-    "format": r1_format}
+    "format": r1_format, "code": code_reward, "code_all": code_all_passed}
 
 
 def resolve_reward_functions(names: list[str]) -> list[RewardFunction]:

@@ -1,8 +1,10 @@
-"""`aligner serve verifier [verifier=arithmetic|math] [server.port=P]`: rule-based rewards.
+"""`aligner serve verifier [verifier=arithmetic|math|code|code_all] [server.port=P]`: rule-based rewards.
 
 Endpoint `verifier` (`protocol.VERIFIER`): the responses, as text (`sentences`) or as token ids with
 lengths (decoded with `tokenizer`), and the reference `answers`, in; `rewards` [B, 1] out. Send the
-response only: the rules look for the answer at its end. One process, no model, no GPU.
+response only: the rules look for the answer at its end. The code verifiers take each response's tests as
+JSON text in `answers` (`aligner.rewards.code`) and run the rows of a call, merged requests included, in
+parallel. One process, no model, no GPU.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 
 from aligner.data.tokenizer import load_tokenizer
 from aligner.observe.logs import configure_logging
-from aligner.rewards import get_verifier
+from aligner.rewards import get_verifier, verify_rows
 from aligner.servers.config import load_resolved_serve_config
 from aligner.servers.protocol import VERIFIER, RequestError, check_rows, check_tokens, decode_texts
 from aligner.servers.triton import Binding, serve_bindings
@@ -43,18 +45,20 @@ def run(cfg) -> None:
         return [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(tokens, lengths)]
 
     def verify(requests):
-        outputs = []
+        texts, answers, sizes = [], [], []
         for i, request in enumerate(requests):
             try:
-                texts, answers = responses(request), decode_texts(request, "answers", max_rows=max_rows)
-                if len(answers) != len(texts):
-                    raise RequestError(f"'answers' has {len(answers)} rows but there are {len(texts)} responses")
-                check_rows(len(texts), max_rows)
+                rows, references = responses(request), decode_texts(request, "answers", max_rows=max_rows)
+                if len(references) != len(rows):
+                    raise RequestError(f"'answers' has {len(references)} rows but there are {len(rows)} responses")
+                check_rows(len(rows), max_rows)
             except RequestError as e:
                 where = f"request {i + 1} of the {len(requests)} merged in this call: " if len(requests) > 1 else ""
                 raise RequestError(f"{where}{e}") from None
-            rewards = [rule(t, a) for t, a in zip(texts, answers)]
-            outputs.append({"rewards": np.array(rewards, dtype=np.float32).reshape(-1, 1)})
-        return outputs
+            texts += rows
+            answers += references
+            sizes.append(len(rows))
+        rewards = np.array(verify_rows(rule, texts, answers), dtype=np.float32).reshape(-1, 1)
+        return [{"rewards": part} for part in np.split(rewards, np.cumsum(sizes)[:-1])]
 
     serve_bindings(cfg.server, cfg.run_dir, [Binding(VERIFIER, verify, max_rows)])
