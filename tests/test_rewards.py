@@ -134,7 +134,7 @@ def test_resolve_builtins_and_module_functions():
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("nope", "unknown reward function 'nope': expected a builtin (math, arithmetic, exact_match, regex, format)"),
+    ("nope", "unknown reward function 'nope': expected a builtin (math, arithmetic, exact_match, regex, format, code, code_all)"),
     ("tests.rl_reward_fixtures:missing", "'tests.rl_reward_fixtures:missing' cannot be loaded (AttributeError"),
     ("no_such_package.mod:f", "'no_such_package.mod:f' cannot be loaded (ModuleNotFoundError"),
     ("tests.rl_reward_fixtures:os", "'tests.rl_reward_fixtures:os' is a module, not a function"),
@@ -142,7 +142,7 @@ def test_resolve_builtins_and_module_functions():
 def test_resolve_errors_name_the_function(name, expected):
     with pytest.raises(ValueError, match=re.escape(expected)) as e:
         resolve_reward_functions(["math", name])
-    assert "(math, arithmetic, exact_match, regex, format)" in str(e.value)
+    assert "(math, arithmetic, exact_match, regex, format, code, code_all)" in str(e.value)
 
 
 def test_resolving_imports_no_torch():
