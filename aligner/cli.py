@@ -1,12 +1,14 @@
 """`aligner <command> ...`: the single entry point.
 
     aligner train sft [hydra overrides]           train (config: conf/sft.yaml; also rm, dpo, orpo, simpo,
-                                                  kto, steerlm, spin, grpo, reinforce)
+                                                  kto, steerlm, spin, grpo, reinforce, ppo, rs)
     aligner serve reward|critic|verifier [overrides]  PyTriton server (conf/serve_<kind>.yaml)
     aligner convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N]
     aligner convert mcore-to-hf --ckpt DIR --out DIR [--dtype bfloat16]
     aligner logprobs --model DIR --data FILE.jsonl --out FILE.jsonl [--tp N --pp N]
     aligner generate --model DIR --prompts FILE.jsonl --out FILE.jsonl [sampling.greedy=true ...]
+    aligner rs-generate --model DIR --prompts FILE.jsonl --out FILE.jsonl [rs.top_n=1 reward.functions=[...] ...]
+                                                  rejection sampling offline: the best samples as SFT records
     aligner label-attributes --rm DIR --data FILE.jsonl --out FILE.jsonl [--scale 4]   SteerLM labels
     aligner doctor                                 what this host can run (CUDA, optional GPU packages)
     aligner doctor RUN_DIR [RUN_DIR ...]           a run's known failure symptoms, the step they started, what to try
@@ -37,7 +39,7 @@ TRAINERS = {"sft": "aligner.algorithms.sft", "rm": "aligner.algorithms.reward_mo
             "dpo": "aligner.algorithms.dpo", "orpo": "aligner.algorithms.orpo", "simpo": "aligner.algorithms.simpo",
             "kto": "aligner.algorithms.kto", "steerlm": "aligner.algorithms.steerlm",
             "spin": "aligner.algorithms.spin", "grpo": "aligner.algorithms.grpo",
-            "reinforce": "aligner.algorithms.grpo", "ppo": "aligner.algorithms.ppo"}
+            "reinforce": "aligner.algorithms.grpo", "ppo": "aligner.algorithms.ppo", "rs": "aligner.algorithms.rs"}
 
 
 def _under_external_launcher() -> bool:
@@ -163,6 +165,12 @@ def generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def rs_generate(argv: list[str]) -> int:
+    from aligner.algorithms.rs_generate import rs_generate_main
+
+    return rs_generate_main(argv)
+
+
 def label_attributes(argv: list[str]) -> int:
     parser = ArgumentParser(prog="aligner label-attributes",
                                      description="SteerLM labels: score SFT records with a regression reward model")
@@ -242,7 +250,7 @@ def report(argv: list[str]) -> int:
 
 
 HANDLERS = {"convert": convert, "logprobs": logprobs, "generate": generate, "serve": serve, "doctor": doctor,
-            "report": report, "label-attributes": label_attributes}
+            "report": report, "label-attributes": label_attributes, "rs-generate": rs_generate}
 
 
 def dispatch(argv: list[str]) -> int:

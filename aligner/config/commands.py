@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from aligner.config.rl_schema import PPORunConfig, RLRunConfig
+from aligner.config.rs_schema import RSRunConfig
 from aligner.config.schema import (CriticServeConfig, DPORunConfig, KTORunConfig, ORPORunConfig, RewardServeConfig,
                                    RMRunConfig, SFTRunConfig, SimPORunConfig, SPINRunConfig, SteerLMRunConfig,
                                    VerifierServeConfig)
@@ -13,4 +14,4 @@ COMMANDS = {"sft": ("sft", SFTRunConfig), "rm": ("rm", RMRunConfig),
             "dpo": ("dpo", DPORunConfig), "orpo": ("orpo", ORPORunConfig), "simpo": ("simpo", SimPORunConfig),
             "kto": ("kto", KTORunConfig), "steerlm": ("steerlm", SteerLMRunConfig),
             "spin": ("spin", SPINRunConfig), "grpo": ("grpo", RLRunConfig), "reinforce": ("reinforce", RLRunConfig),
-            "ppo": ("ppo", PPORunConfig)}
+            "ppo": ("ppo", PPORunConfig), "rs": ("rs", RSRunConfig)}

@@ -98,6 +98,10 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"dpo.label_smoothing is a label-flip probability in [0, 0.5), got {smoothing}")
     if "algorithm" in cfg:
         validate_rl(cfg, dp)
+    if "rs" in cfg:
+        from aligner.config.rs_schema import validate_rs
+
+        validate_rs(cfg)
     if cfg.data.get("packing") and cfg.model.transformer_impl == "transformer_engine":
         raise ConfigError("data.packing=true needs the local layer spec (model.transformer_impl=local or auto on a "
                           "host without Transformer Engine)")
