@@ -24,14 +24,11 @@ from megatron.core import parallel_state as ps
 from aligner.algorithms.preference_trainer import packing_enabled
 from aligner.algorithms.ppo_trainer import PPOTrainer
 from aligner.algorithms.reference import Reference
+from aligner.algorithms.rl_setup import build_rl_policy
+from aligner.data.tokenizer import load_tokenizer
 from aligner.config import load_resolved
-from aligner.data.prompts import load_prompt_dataset
-from aligner.data.tokenizer import load_tokenizer, model_vocab_size
-from aligner.generation.megatron_engine import MegatronEngine
 from aligner.models import checkpoint
-from aligner.models.policy import build_policy
 from aligner.models.sdpa_attention import all_fused
-from aligner.models.training import wrap_for_training
 from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
 from aligner.runtime import distributed
 
@@ -270,20 +267,16 @@ def _set_aside_stale(checkpoints: Path) -> None:
 
 def run(cfg) -> None:
     """One rank of `aligner train ppo` with a validated config."""
-    m, d, a = cfg.model, cfg.data, cfg.algorithm
+    m, a = cfg.model, cfg.algorithm
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
     step = resume_step(cfg.run_dir)
     with contextlib.ExitStack() as stack:
         service = stack.enter_context(critic_service(cfg, step)) if dist.get_rank() == 0 else None
-        tokenizer = load_tokenizer(cfg.tokenizer.path)
-        vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
-        prompts = load_prompt_dataset(d.train_path, tokenizer, d.max_length, d.overlong)
-        val = load_prompt_dataset(d.val_path, tokenizer, d.max_length, d.overlong) if d.val_path else None
-        model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
-        engine = MegatronEngine(model, m, vocab_size, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                                tokenizer=tokenizer, max_batch_size=cfg.generation.batch_size,
-                                decode=str(cfg.generation.decode))
+        policy = build_rl_policy(cfg)
+        tokenizer, vocab_size, model = policy.tokenizer, policy.vocab_size, policy.model
+        optimizer, scheduler, prompts, val, engine = (policy.optimizer, policy.scheduler, policy.prompts, policy.val,
+                                                      policy.engine)
         reference = Reference(str(cfg.reference.mode), model, m, vocab_size, m.pretrained) if a.kl.mode != "none" \
             else None
         val_scorer = None

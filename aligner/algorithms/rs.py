@@ -34,21 +34,16 @@ from megatron.core import parallel_state as ps
 from aligner.algorithms.preference_losses import SFTObjective
 from aligner.algorithms.preference_trainer import attach, packing_enabled
 from aligner.algorithms.rl_samples import Sample, rollout_metrics
+from aligner.algorithms.rl_setup import build_rl_policy, reward_scorers
 from aligner.algorithms.rl_trainer import RLTrainer, Timings
 from aligner.algorithms.rs_select import flat_winners
 from aligner.algorithms.sequence_logprobs import sequence_loss_step
 from aligner.algorithms.trainer import Trainer
 from aligner.config import load_resolved
 from aligner.config.rl_schema import RLAlgorithmConfig
-from aligner.data.prompts import load_prompt_dataset
-from aligner.data.tokenizer import load_tokenizer, model_vocab_size
-from aligner.generation.megatron_engine import MegatronEngine
 from aligner.generation.types import SamplingParams
 from aligner.models.checkpoint import unwrap
-from aligner.models.policy import build_policy
 from aligner.models.sdpa_attention import all_fused
-from aligner.models.training import wrap_for_training
-from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
 from aligner.runtime import distributed
 
 SFT = SFTObjective()
@@ -167,28 +162,13 @@ def main(argv: list[str]) -> None:
 
 def run(cfg) -> None:
     """One rank of `aligner train rs` with a validated config."""
-    m, d, r = cfg.model, cfg.data, cfg.reward
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer.path)
-    vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
-    prompts = load_prompt_dataset(d.train_path, tokenizer, d.max_length, d.overlong)
-    val = load_prompt_dataset(d.val_path, tokenizer, d.max_length, d.overlong) if d.val_path else None
-    model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
-    engine = MegatronEngine(model, m, vocab_size, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                            tokenizer=tokenizer, max_batch_size=cfg.generation.batch_size,
-                            decode=str(cfg.generation.decode))
-    scorer = val_scorer = None
-    if dist.get_rank() == 0:
-        scorer = RewardScorer(resolve_reward_functions(list(r.functions)),
-                              list(r.weights) if r.weights is not None else None, workers=r.workers, url=r.url,
-                              remote_timeout_s=r.timeout_s, tokenizer=tokenizer)
-        scorer.wait_ready()
-        if r.val_functions:
-            val_scorer = RewardScorer(resolve_reward_functions(list(r.val_functions)), workers=1)
-    flat = packed and ps.get_context_parallel_world_size() == 1 and all_fused(unwrap(model))
-    trainer = RSTrainer(cfg, model, optimizer, scheduler, prompts, val, vocab_size, tokenizer, engine, scorer,
-                        packing={"packed": packed, "capacity": None, "flat": flat}, val_scorer=val_scorer)
+    policy = build_rl_policy(cfg)
+    scorer, val_scorer = reward_scorers(cfg, policy.tokenizer)
+    flat = packed and ps.get_context_parallel_world_size() == 1 and all_fused(unwrap(policy.model))
+    trainer = RSTrainer(cfg, policy.model, policy.optimizer, policy.scheduler, policy.prompts, policy.val,
+                        policy.vocab_size, policy.tokenizer, policy.engine, scorer, packing={"packed": packed, "capacity": None, "flat": flat}, val_scorer=val_scorer)
     try:
         trainer.fit()
     finally:
