@@ -1,7 +1,7 @@
 """`aligner <command> ...`: the single entry point.
 
     aligner train sft [hydra overrides]           train (config: conf/sft.yaml; also rm, dpo, orpo, simpo,
-                                                  kto, steerlm, spin, grpo, reinforce, ppo, rs)
+                                                  kto, steerlm, spin, grpo, reinforce, ppo, rs, kd)
     aligner serve reward|critic|verifier [overrides]  PyTriton server (conf/serve_<kind>.yaml)
     aligner convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N]
     aligner convert mcore-to-hf --ckpt DIR --out DIR [--dtype bfloat16]
@@ -9,6 +9,11 @@
     aligner generate --model DIR --prompts FILE.jsonl --out FILE.jsonl [sampling.greedy=true ...]
     aligner rs-generate --model DIR --prompts FILE.jsonl --out FILE.jsonl [rs.top_n=1 reward.functions=[...] ...]
                                                   rejection sampling offline: the best samples as SFT records
+    aligner teacher-logits --teacher DIR --data FILE.jsonl --top-k 100 --out DIR
+                                                  knowledge distillation: the teacher's top-k logits per token
+    aligner plan ALGORITHM [overrides] [--json]    whether a layout fits the GPUs and how long a step takes
+    aligner export --ckpt DIR --out DIR --quantize fp8|int8_sq|int4_awq [--calib FILE.jsonl]
+                                                  a quantised Hugging Face checkpoint (NVIDIA ModelOpt)
     aligner label-attributes --rm DIR --data FILE.jsonl --out FILE.jsonl [--scale 4]   SteerLM labels
     aligner doctor                                 what this host can run (CUDA, optional GPU packages)
     aligner doctor RUN_DIR [RUN_DIR ...]           a run's known failure symptoms, the step they started, what to try
@@ -39,7 +44,8 @@ TRAINERS = {"sft": "aligner.algorithms.sft", "rm": "aligner.algorithms.reward_mo
             "dpo": "aligner.algorithms.dpo", "orpo": "aligner.algorithms.orpo", "simpo": "aligner.algorithms.simpo",
             "kto": "aligner.algorithms.kto", "steerlm": "aligner.algorithms.steerlm",
             "spin": "aligner.algorithms.spin", "grpo": "aligner.algorithms.grpo",
-            "reinforce": "aligner.algorithms.grpo", "ppo": "aligner.algorithms.ppo", "rs": "aligner.algorithms.rs"}
+            "reinforce": "aligner.algorithms.grpo", "ppo": "aligner.algorithms.ppo", "rs": "aligner.algorithms.rs",
+            "kd": "aligner.algorithms.kd"}
 
 
 def _under_external_launcher() -> bool:
@@ -171,6 +177,24 @@ def rs_generate(argv: list[str]) -> int:
     return rs_generate_main(argv)
 
 
+def teacher_logits(argv: list[str]) -> int:
+    from aligner.algorithms.teacher_logits import main as write_teacher_logits
+
+    return write_teacher_logits(argv)
+
+
+def plan(argv: list[str]) -> int:
+    from aligner.plan.cli import main as plan_main
+
+    return plan_main(argv)
+
+
+def export(argv: list[str]) -> int:
+    from aligner.models.quantized_export import main as export_main
+
+    return export_main(argv)
+
+
 def label_attributes(argv: list[str]) -> int:
     parser = ArgumentParser(prog="aligner label-attributes",
                                      description="SteerLM labels: score SFT records with a regression reward model")
@@ -250,7 +274,8 @@ def report(argv: list[str]) -> int:
 
 
 HANDLERS = {"convert": convert, "logprobs": logprobs, "generate": generate, "serve": serve, "doctor": doctor,
-            "report": report, "label-attributes": label_attributes, "rs-generate": rs_generate}
+            "report": report, "label-attributes": label_attributes, "rs-generate": rs_generate,
+            "teacher-logits": teacher_logits, "plan": plan, "export": export}
 
 
 def dispatch(argv: list[str]) -> int:
