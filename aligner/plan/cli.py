@@ -1,0 +1,165 @@
+"""`aligner plan ALGORITHM [overrides] [--json]`: whether a run fits its GPUs, and how long a step takes.
+
+    aligner plan ppo model=llama3_70b model.tensor_model_parallel_size=8 model.pipeline_model_parallel_size=4 \
+        cluster.nodes=8 cluster.service_nodes=4 plan.prompt_length=512 plan.response_length=350 --json
+
+Overrides are the training config's own keys (composed with conf/<algorithm>.yaml and type-checked by
+aligner/config, as `aligner train` does), plus the planner's:
+    cluster.gpu=h100-80gb|h200|a100-80gb|cpu   cluster.memory_gib=G (cpu only: memory per rank)
+    cluster.gpus_per_node=8   cluster.nodes=1 (the trainer's)   cluster.service_nodes=0 (PPO's critic/reward)
+    plan.prompt_length, plan.response_length   mean tokens per prompt / generated per sample (RL step time;
+                                               default: data.max_length and sampling.max_new_tokens)
+    plan.recompute=none|selective|full         activation recomputation to assume (aligner's trainers run
+                                               without it; the other values show what megatron's would save)
+The model's vocabulary is model.vocab_size, else the tokenizer's at tokenizer.path.
+Exit status: 0 the run fits, 1 it does not (each reason in `errors`, with its fix), 2 a usage error.
+"""
+from __future__ import annotations
+
+import json
+
+from aligner.errors import UsageError
+
+PLANNER_KEYS = {"cluster.gpu": str, "cluster.memory_gib": float, "cluster.gpus_per_node": int, "cluster.nodes": int,
+                "cluster.service_nodes": int, "plan.prompt_length": int, "plan.response_length": int,
+                "plan.recompute": str}
+DEFAULTS = {"cluster.gpu": "h100-80gb", "cluster.memory_gib": None, "cluster.gpus_per_node": 8, "cluster.nodes": 1,
+            "cluster.service_nodes": 0, "plan.prompt_length": None, "plan.response_length": None,
+            "plan.recompute": "none"}
+ALGORITHMS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "steerlm", "grpo", "reinforce", "ppo")
+PLACEHOLDERS = {"tokenizer.path": "unused-by-plan", "data.train_path": "unused-by-plan"}
+
+
+def split_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
+    """(the planner's options, the training config's overrides). UsageError for an unknown or bad planner key."""
+    options, rest = dict(DEFAULTS), []
+    for item in overrides:
+        key, sep, value = item.lstrip("+").partition("=")
+        if not key.startswith(("cluster.", "plan.")):
+            rest.append(item)
+            continue
+        if key not in PLANNER_KEYS or not sep:
+            raise UsageError(f"unknown planner option {item!r}", "aligner plan",
+                             f"use key=value with one of {', '.join(PLANNER_KEYS)}")
+        try:
+            options[key] = PLANNER_KEYS[key](value)
+        except ValueError:
+            raise UsageError(f"{key}={value} is not a {PLANNER_KEYS[key].__name__}", "aligner plan",
+                             f"pass {key}=<{PLANNER_KEYS[key].__name__}>") from None
+        if PLANNER_KEYS[key] is int and options[key] < (0 if key == "cluster.service_nodes" else 1):
+            raise UsageError(f"{key}={value} must be >= {0 if key == 'cluster.service_nodes' else 1}", "aligner plan")
+    if options["plan.recompute"] not in ("none", "selective", "full"):
+        raise UsageError(f"plan.recompute={options['plan.recompute']}", "aligner plan", "use none, selective or full")
+    return options, rest
+
+
+def compose(algorithm: str, overrides: list[str]):
+    """The training config as `aligner train` composes it (types and keys checked), with placeholders for the
+    inputs a plan does not read."""
+    from aligner.config.load import compose_config
+
+    given = {o.lstrip("+").partition("=")[0] for o in overrides}
+    fill = [f"{k}={v}" for k, v in PLACEHOLDERS.items() if k not in given]
+    return compose_config(algorithm, fill + list(overrides))
+
+
+def vocab_size(cfg) -> int:
+    if cfg.model.vocab_size:
+        return int(cfg.model.vocab_size)
+    if cfg.tokenizer.path != PLACEHOLDERS["tokenizer.path"]:
+        from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+
+        return model_vocab_size(cfg.model, load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path)
+    raise UsageError("the model's vocabulary size is unknown", "model.vocab_size",
+                     "pass model.vocab_size=N (the tokenizer's size) or tokenizer.path=DIR")
+
+
+def plan(algorithm: str, overrides: list[str]) -> dict:
+    """The JSON object of the contract: fits, step_time_s, components, errors (+ timing, cluster)."""
+    from aligner.plan.estimate import Lengths, plan_run
+    from aligner.plan.layout import Cluster, accelerator, layout_errors
+
+    if algorithm not in ALGORITHMS:
+        raise UsageError(f"unknown algorithm '{algorithm}'", "aligner plan <algorithm>",
+                         f"use one of {', '.join(ALGORITHMS)}")
+    options, rest = split_overrides(overrides)
+    try:
+        hw = accelerator(options["cluster.gpu"], options["cluster.memory_gib"])
+    except ValueError as e:
+        raise UsageError(str(e), "aligner plan") from None
+    cfg = compose(algorithm, rest)
+    cluster = Cluster(hw, options["cluster.gpus_per_node"], options["cluster.nodes"], options["cluster.service_nodes"])
+    errors = layout_errors(cfg, cluster)
+    head = {"algorithm": algorithm, "cluster": {"gpu": hw.name, "gpus_per_node": cluster.gpus_per_node,
+                                                "nodes": cluster.nodes, "service_nodes": cluster.service_nodes}}
+    if errors:
+        return {**head, "fits": False, "step_time_s": 0.0, "components": {}, "errors": errors}
+    rl = "algorithm" in cfg
+    lengths = Lengths(options["plan.prompt_length"] or (cfg.data.max_length if rl else 0),
+                      options["plan.response_length"] or (cfg.sampling.max_new_tokens if rl else 0))
+    result = plan_run(cfg, algorithm, cluster, lengths, vocab_size(cfg), options["plan.recompute"])
+    errors = memory_errors(cfg, result, hw.name)
+    return {**head, "fits": not errors, "step_time_s": round(result["timing"]["step_s"], 3),
+            "components": result["components"], "errors": errors, "usable_gib_per_gpu": round(result["usable_gib"], 3),
+            "timing": {k: round(v, 3) for k, v in result["timing"].items()}}
+
+
+def memory_errors(cfg, result: dict, gpu: str) -> list[str]:
+    """One sentence per group of GPUs over its memory: what is needed, what there is, what to change."""
+    c, usable, errors = result["components"], result["usable_gib"], []
+    trainer = [n for n in ("actor", "reference", "generation") if n in c]
+    need = sum(c[n]["memory_gib_per_gpu"] for n in trainer)
+    if need > usable:
+        parts = ", ".join(f"{n} {c[n]['memory_gib_per_gpu']:.1f}" for n in trainer)
+        fixes = []
+        if not cfg.optim.distributed_optimizer:
+            fixes.append("optim.distributed_optimizer=true (shards the optimizer states over data-parallel ranks)")
+        fixes.append("a larger model.tensor_model_parallel_size or model.pipeline_model_parallel_size")
+        if c["actor"].get("activations_gib", 0) > 0.1 * need:
+            fixes.append("a smaller trainer.micro_batch_size" + (
+                " or model.sequence_parallel=true" if cfg.model.tensor_model_parallel_size > 1
+                and not cfg.model.sequence_parallel else ""))
+        if c.get("reference", {}).get("params_gib", 0) > 0:
+            fixes.append("reference.mode=cpu_swap (its weights wait in host memory)")
+        if c.get("generation", {}).get("kv_cache_gib", 0) > 0.1 * need:
+            fixes.append("a smaller generation.batch_size (KV cache)")
+        errors.append(f"the trainer's GPUs need {need:.1f} GiB each ({parts}) but a {gpu} has {usable:.1f} GiB "
+                      f"usable; try " + "; or ".join(fixes) + ", or more cluster.nodes")
+    if "critic" in c and c["critic"]["memory_gib_per_gpu"] > usable:
+        errors.append(f"the critic service's GPUs need {c['critic']['memory_gib_per_gpu']:.1f} GiB each but a {gpu} "
+                      f"has {usable:.1f} GiB usable; try a larger critic.parallel.tensor_model_parallel_size or "
+                      f"pipeline_model_parallel_size, critic.optim.distributed_optimizer=true, a smaller "
+                      f"critic.trainer.micro_batch_size, or more cluster.service_nodes")
+    return errors
+
+
+def table(result: dict) -> str:
+    """The readable form: per component its memory per GPU, then the step's phases."""
+    lines = [f"aligner plan {result['algorithm']}: {result['cluster']['nodes']} node(s)"
+             + (f" + {result['cluster']['service_nodes']} service node(s)" if result['cluster']['service_nodes'] else "")
+             + f" x {result['cluster']['gpus_per_node']} {result['cluster']['gpu']}"]
+    columns = ("params_gib", "grads_gib", "optimizer_gib", "activations_gib", "kv_cache_gib", "host_gib")
+    if result["components"]:
+        lines.append(f"{'component':<11}{'GPUs':>6}  {'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'KV':>8}"
+                     f"{'host':>8}{'total':>9}  layout (GiB per GPU)")
+        for name, comp in result["components"].items():
+            cells = "".join(f"{comp[k]:>8.2f}" if k in comp else f"{'-':>8}" for k in columns)
+            lines.append(f"{name:<11}{comp['gpus']:>6}  {cells}{comp['memory_gib_per_gpu']:>9.2f}  {comp['layout']}")
+        lines.append(f"usable memory per GPU: {result['usable_gib_per_gpu']:.2f} GiB")
+        lines.append("step time: " + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in result["timing"].items()))
+    lines.append("fits" if result["fits"] else "does not fit:\n  " + "\n  ".join(result["errors"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    as_json = "--json" in argv
+    args = [a for a in argv if a != "--json"]
+    if any(a.startswith("--") for a in args):
+        raise UsageError(f"unknown flag {next(a for a in args if a.startswith('--'))}", "aligner plan",
+                         "the only flag is --json; the rest are key=value overrides")
+    result = plan(args[0], args[1:])
+    print(json.dumps(result) if as_json else table(result))
+    return 0 if result["fits"] else 1

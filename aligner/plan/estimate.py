@@ -1,0 +1,186 @@
+"""The plan of one run: memory per GPU of each component and the step time, from a composed training
+config and a cluster (aligner/plan/layout.py). Formulas: memory.py and timing.py.
+
+Components and where they live:
+* `actor`: the trained policy on the trainer's GPUs (weights, fp32 gradient buffer, Adam, activations);
+* `reference`: the frozen reference (weights only) on the same GPUs with `reference.mode=model`; its
+  weights in host memory with `cpu_swap` (swapped in over PCIe for its pass); absent when precomputed or
+  without a KL term;
+* `generation` (online RL): the in-process Megatron engine decodes with the actor's own weights (refit
+  moves no bytes), so it adds the KV cache of `generation.batch_size` sequences and the last slot's logits;
+* `critic` and `reward` (PPO): the service's GPUs (cluster.service_nodes), the critic trained there,
+  the reward model's weights in host memory, swapped into the critic's parameters to score (PCIe).
+Memory uses the longest sequences the config allows (data.max_length + sampling.max_new_tokens for RL,
+data.max_length otherwise); time uses the mean lengths plan.prompt_length and plan.response_length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aligner.plan import memory as M
+from aligner.plan import timing as T
+from aligner.plan.layout import Cluster
+
+GIB = 1024 ** 3
+PAIRED = ("dpo", "orpo", "simpo", "rm")  # each sample is a (chosen, rejected) pair of sequences
+
+
+@dataclass(frozen=True)
+class Lengths:
+    prompt: int  # mean prompt tokens (RL) — time only
+    response: int  # mean generated tokens per sample (RL) — time only
+
+
+def _impl(cfg, cluster: Cluster, algorithm: str) -> str:
+    """Which attention keeps what (memory.layer_activation_elements)."""
+    if cluster.hw.name != "cpu" and cfg.model.transformer_impl != "local":
+        return "te"
+    packed = bool(cfg.data.get("packing"))
+    return "local" if algorithm == "sft" and not packed else "local_sdpa"
+
+
+def _model_state(shape, params: int, dtype: str, dp: int, distributed: bool, trained: bool) -> dict:
+    out = {"parameters": params, "params_gib": M.weight_bytes(params, dtype) / GIB}
+    if trained:
+        out["grads_gib"] = M.gradient_bytes(params) / GIB
+        out["optimizer_gib"] = M.optimizer_bytes(params, dtype, dp, distributed) / GIB
+    return out
+
+
+def _component(gpus: int, layout: str, **parts) -> dict:
+    gib = sum(v for k, v in parts.items() if k.endswith("_gib") and k != "host_gib")
+    return {"gpus": gpus, "memory_gib_per_gpu": round(gib, 3), "layout": layout,
+            **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in parts.items()}}
+
+
+def _has_reference(cfg) -> bool:
+    if "reference" not in cfg or cfg.reference.mode == "precompute":
+        return False
+    return not ("algorithm" in cfg and cfg.algorithm.kl.mode == "none")
+
+
+def plan_run(cfg, algorithm: str, cluster: Cluster, lengths: Lengths, vocab_size: int, recompute: str) -> dict:
+    """{"components": {...}, "timing": {...}, "usable_gib": float} (no layout checks: layout.py's job)."""
+    m, t, hw = cfg.model, cfg.trainer, cluster.hw
+    tp, pp, cp, sp = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size,
+                      m.sequence_parallel)
+    dtype = str(m.params_dtype)
+    shape = M.Shape.of(m, vocab_size)
+    dp = cluster.gpus // (tp * pp * cp)
+    rl = "algorithm" in cfg
+    per_sample = 2 if algorithm in PAIRED else 1
+    seq = cfg.data.max_length + cfg.sampling.max_new_tokens if rl else cfg.data.max_length
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    impl = _impl(cfg, cluster, algorithm)
+    layout = f"TP{tp} PP{pp} CP{cp} DP{dp}"
+    params = M.parameters_per_gpu(shape, tp, pp)
+    acts = M.activation_bytes(shape, seq, t.micro_batch_size * per_sample, micro, tp, pp, cp, sp, dtype, impl,
+                              recompute)
+    components = {"actor": _component(cluster.gpus, layout, **_model_state(shape, params, dtype, dp,
+                                                                         cfg.optim.distributed_optimizer, True),
+                                      activations_gib=acts / GIB)}
+    if _has_reference(cfg):
+        weights = M.weight_bytes(params, dtype) / GIB
+        swap = cfg.reference.mode == "cpu_swap"
+        components["reference"] = _component(cluster.gpus, layout, params_gib=0.0 if swap else weights,
+                                             host_gib=weights if swap else 0.0)
+    if rl:
+        kv = M.kv_cache_bytes(shape, seq, cfg.generation.batch_size, tp, pp, dtype)
+        logits = cfg.generation.batch_size * shape.vocab * 4
+        components["generation"] = _component(cluster.gpus, layout + " (the actor's weights)",
+                                              kv_cache_gib=kv / GIB, logits_gib=logits / GIB)
+    if "critic" in cfg:
+        components.update(_service(cfg, cluster, shape, seq, dtype, impl, recompute, vocab_size))
+    timing = _step_time(cfg, algorithm, cluster, shape, lengths, dtype, recompute, vocab_size)
+    return {"components": components, "timing": timing, "usable_gib": hw.memory_gib - hw.reserve_gib}
+
+
+def _service(cfg, cluster: Cluster, shape, seq: int, dtype: str, impl: str, recompute: str,
+             vocab_size: int) -> dict:
+    """PPO's critic (trained on the service's GPUs) and the reward model it co-hosts."""
+    c, m = cfg.critic, cfg.model
+    ctp, cpp = c.parallel.tensor_model_parallel_size, c.parallel.pipeline_model_parallel_size
+    cdtype = str(c.parallel.params_dtype or dtype)
+    gpus = cluster.service_gpus
+    cdp = max(gpus // (ctp * cpp), 1)
+    cshape = M.Shape.of(_with_tp(m, ctp), vocab_size)
+    params = M.parameters_per_gpu(cshape, ctp, cpp)
+    micro = max(c.trainer.global_batch_size // (c.trainer.micro_batch_size * cdp), 1)
+    acts = M.activation_bytes(cshape, seq, c.trainer.micro_batch_size, micro, ctp, cpp, 1, False, cdtype, impl,
+                              recompute)
+    layout = f"TP{ctp} PP{cpp} DP{cdp}"
+    critic = _component(gpus, layout, **_model_state(cshape, params, cdtype, cdp, c.optim.distributed_optimizer,
+                                                      True), activations_gib=acts / GIB)
+    reward = _component(gpus, layout + " (swapped into the critic's parameters)",
+                        host_gib=M.weight_bytes(params, cdtype) / GIB)
+    return {"critic": critic, "reward": reward}
+
+
+class _with_tp:
+    """A ModelConfig seen with another tensor-parallel size (the critic's vocabulary padding)."""
+
+    def __init__(self, m, tp: int):
+        self._m, self.tensor_model_parallel_size = m, tp
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+
+def _step_time(cfg, algorithm: str, cluster: Cluster, shape, lengths: Lengths, dtype: str, recompute: str,
+               vocab_size: int) -> dict:
+    """Seconds per phase and `step_s`, with the overlaps the loops have (see each branch)."""
+    m, t, hw = cfg.model, cfg.trainer, cluster.hw
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    gpus, dp = cluster.gpus, cluster.gpus // (tp * pp * cp)
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    weights_per_gpu = M.weight_bytes(M.parameters_per_gpu(shape, tp, pp), dtype)
+    out: dict[str, float] = {}
+    swap_in = 2 * T.transfer_seconds(weights_per_gpu, hw.pcie_bytes_per_s)  # reference swap in and back
+    if "algorithm" not in cfg:  # SFT, DPO and the other offline trainers: one optimizer step
+        per_sample = 2 if algorithm in PAIRED else 1
+        seqs, seq = t.global_batch_size * per_sample, cfg.data.max_length
+        out["train_s"] = T.train_seconds(shape, seqs, seq, gpus, pp, micro, hw, recompute)
+        if _has_reference(cfg):
+            out["reference_s"] = T.forward_seconds(shape, seqs, seq, gpus, hw) + (
+                swap_in if cfg.reference.mode == "cpu_swap" else 0.0)
+        out["step_s"] = sum(out.values())
+        return out
+    a = cfg.algorithm
+    samples, tokens = a.prompts_per_step * a.num_generations, lengths.prompt + lengths.response
+    out["generate_s"] = T.generation_seconds(shape, samples, lengths.prompt, lengths.response,
+                                             cfg.generation.batch_size, tp, pp, dp, dtype, hw)
+    updates = a.ppo_epochs * samples // t.global_batch_size
+    ppo = "critic" in cfg
+    old = ppo or updates > 1 or (_has_reference(cfg) and a.kl.mode == "reward")
+    out["logprobs_s"] = T.forward_seconds(shape, samples, tokens, gpus, hw) if old else 0.0
+    out["reference_s"] = (T.forward_seconds(shape, samples, tokens, gpus, hw)
+                          + (swap_in if cfg.reference.mode == "cpu_swap" else 0.0)) if _has_reference(cfg) else 0.0
+    out["train_s"] = a.ppo_epochs * T.train_seconds(shape, samples, tokens, gpus, pp, micro, hw, recompute)
+    out["refit_s"] = 0.0  # the in-process engine reads the live weights
+    actor_path = sum(out.values())
+    if not ppo:  # GRPO: the reward functions score while the log-probs run (CPU work, not modelled)
+        out["step_s"] = actor_path
+        return out
+    # PPO: the service infers (critic values + reward scores, one chunk of generation.batch_size prompts
+    # at a time, as each is generated) while the actor generates and computes log-probs; the critic trains
+    # while the actor updates and refits.
+    c = cfg.critic
+    cshape = M.Shape.of(_with_tp(m, c.parallel.tensor_model_parallel_size), vocab_size)
+    sg = cluster.service_gpus
+    cdtype = str(c.parallel.params_dtype or dtype)
+    critic_weights = M.weight_bytes(M.parameters_per_gpu(cshape, c.parallel.tensor_model_parallel_size,
+                                                         c.parallel.pipeline_model_parallel_size), cdtype)
+    chunks = -(-a.prompts_per_step // cfg.generation.batch_size)
+    out["critic_infer_s"] = (2 * T.forward_seconds(cshape, samples, tokens, sg, hw)
+                             + chunks * 2 * T.transfer_seconds(critic_weights, hw.pcie_bytes_per_s))
+    service_done = max(out["generate_s"], out["generate_s"] / chunks + out["critic_infer_s"])
+    out["critic_wait_s"] = max(0.0, service_done - (out["generate_s"] + out["logprobs_s"] + out["reference_s"]))
+    cmicro = max(c.trainer.global_batch_size // (c.trainer.micro_batch_size * max(sg // (
+        c.parallel.tensor_model_parallel_size * c.parallel.pipeline_model_parallel_size), 1)), 1)
+    out["critic_train_s"] = c.trainer.epochs * T.train_seconds(cshape, samples, tokens, sg,
+                                                               c.parallel.pipeline_model_parallel_size, cmicro, hw,
+                                                               recompute)
+    out["critic_tail_s"] = max(0.0, out["critic_train_s"] - (out["train_s"] + out["refit_s"]))
+    out["round_trips_s"] = (chunks + 2) * T.ROUND_TRIP_S
+    out["step_s"] = actor_path + out["critic_wait_s"] + out["critic_tail_s"] + out["round_trips_s"]
+    return out

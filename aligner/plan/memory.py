@@ -1,0 +1,160 @@
+"""Memory per GPU of a Megatron-core Llama-family model: pure functions of the architecture and the layout.
+
+Conventions (what aligner builds: aligner/models/gpt.py, aligner/models/training.py):
+* parameters in `params_dtype` (bf16: 2 bytes, fp32: 4); the DDP gradient buffer in fp32
+  (`grad_reduce_in_fp32=True`); Adam with fp32 states: bf16 keeps an fp32 master copy + m + v
+  (12 bytes/param), fp32 only m + v (8: the parameters are the master copy). With the distributed
+  optimizer those optimizer bytes are divided over the data-parallel ranks (ZeRO-1; Rajbhandari et al.
+  2020, and Megatron-LM's docs/distrib_optimizer.md: 6 + 12/d bytes per parameter in bf16).
+* tensor parallelism shards every weight matrix and the (padded) vocabulary, not the norms; pipeline
+  stage 0 holds the embedding, the last stage the output layer and the final norm.
+* activations: the method of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", section 4): count the tensors each operation keeps for its backward pass, per
+  layer, in units of s*b*h elements (s tokens per context-parallel rank, b micro-batch, h hidden), here for a
+  Llama layer (RMSNorm, GQA with g query groups of head dim d, SwiGLU of width F, no dropout):
+  - Transformer Engine (GPU): each fused norm+linear keeps its input and the normalised output (2 x 2),
+    flash attention keeps Q, K, V and its output (1 + 2gd/h + 1; the output is also the projection's
+    input), the MLP keeps the SwiGLU input (2F/h) and the down projection's input (F/h):
+    4 + 2 + 2gd/h + 3F/h. Tensor parallelism divides all but the four norm tensors; sequence
+    parallelism divides those too (section 4.2.2).
+  - the local spec (CPU), counted with torch.autograd.graph.saved_tensors_hooks on aligner's model:
+    megatron's DotProductAttention keeps Q and K, V expanded to every head plus the softmax output
+    (3 + a*s/h), torch's fused attention (aligner.models.policy) keeps Q, K, the QKV projection's output
+    (which holds V) and its output (1 + gd/h + 1 + 2gd/h + 1); either with 2 x 2 norm tensors, 2 more
+    s*b*h tensors around the residual adds and 4F/h in the MLP (the SwiGLU kernel keeps its input and
+    one F-wide intermediate next to its output).
+  - selective recomputation drops the attention core (the s^2 term and, for the local spec, Q/K/V);
+    full recomputation keeps only each layer's input (1, divided by TP under SP) plus one layer's
+    working set during its backward.
+  - the output layer keeps the logits and the fp32 log-softmax (cross entropy / log-probs): s*b*V/t
+    elements in the parameter dtype and 2 x fp32.
+  - pipelining (1F1B): stage 0 holds min(PP, micro-batches) micro-batches in flight, each over L/PP
+    layers; so the first stage's activations are those of min(PP, m)/PP x L layers (section 4.2.3).
+* KV cache for generation: 2 (K and V) x layers of the stage x tokens x batch x g/t query groups x d
+  (Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-family decoder as the memory and FLOP formulas see it (the padded vocabulary included)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int  # padded: a multiple of make_vocab_size_divisible_by x TP
+    tied: bool = False
+    qkv_bias: bool = False
+
+    @classmethod
+    def of(cls, m, vocab_size: int) -> "Shape":
+        """From a ModelConfig (aligner/config/schema.py) and the unpadded vocabulary size."""
+        multiple = m.make_vocab_size_divisible_by * m.tensor_model_parallel_size
+        return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
+                   m.kv_channels or m.hidden_size // m.num_attention_heads, m.ffn_hidden_size,
+                   -(-vocab_size // multiple) * multiple, m.tie_embeddings, m.add_qkv_bias)
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.heads + 2 * self.groups) * self.head_dim
+
+
+def layer_parameters(s: Shape) -> int:
+    """One decoder layer: QKV (h x (a + 2g)d, + bias), output projection (ad x h), SwiGLU (h x 2F and
+    F x h), two RMSNorm weights (h each)."""
+    qkv = s.hidden * s.qkv_width + (s.qkv_width if s.qkv_bias else 0)
+    return qkv + s.heads * s.head_dim * s.hidden + 3 * s.hidden * s.ffn + 2 * s.hidden
+
+
+def parameter_count(s: Shape) -> int:
+    """The whole model: layers, embedding, output layer (unless tied) and the final norm."""
+    return s.layers * layer_parameters(s) + s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
+
+
+def parameters_per_gpu(s: Shape, tp: int, pp: int) -> int:
+    """Parameters on the busiest GPU: the larger of the first stage (layers + embedding shard) and
+    the last (layers + output shard + final norm); norms are replicated over TP."""
+    norms = 2 * s.hidden
+    layers = s.layers // pp * ((layer_parameters(s) - norms) // tp + norms)
+    vocab_shard = s.vocab * s.hidden // tp
+    if pp == 1:
+        return layers + vocab_shard * (1 if s.tied else 2) + s.hidden
+    return layers + vocab_shard + s.hidden  # stage 0: embedding; last stage: output layer + final norm
+
+
+def weight_bytes(params: int, dtype: str) -> int:
+    return params * DTYPE_BYTES[dtype]
+
+
+def gradient_bytes(params: int) -> int:
+    """The DDP gradient buffer: fp32 in both precisions (grad_reduce_in_fp32)."""
+    return params * 4
+
+
+def optimizer_bytes(params: int, dtype: str, dp: int, distributed: bool) -> float:
+    """Adam: fp32 m and v, plus an fp32 master copy under bf16; sharded over DP with the distributed optimizer."""
+    per_param = 12 if dtype == "bfloat16" else 8
+    return params * per_param / (dp if distributed else 1)
+
+
+def layer_activation_elements(s: Shape, tokens: int, batch: int, tp: int, sp: bool, impl: str,
+                              recompute: str = "none") -> float:
+    """Elements one layer keeps for its backward pass (see the module doc). tokens: per CP rank;
+    impl: "te" (flash attention), "local" (megatron's DotProductAttention) or "local_sdpa" (torch's fused
+    attention); recompute: none | selective | full."""
+    h, sbh = s.hidden, tokens * batch * s.hidden
+    kv = s.groups * s.head_dim / h
+    norms = 4 / (tp if sp else 1)
+    if recompute == "full":
+        return sbh / (tp if sp else 1)
+    if impl == "te":
+        core = 2 + 2 * kv
+        rest = 3 * s.ffn / h
+        return sbh * (norms + (core + rest) / tp)  # flash attention keeps no s^2 term: selective = none
+    rest = 2 + 4 * s.ffn / h
+    if recompute == "selective":
+        core = 1  # the projection's input
+    elif impl == "local":
+        core = 3 + 1 + s.heads * tokens / h  # Q, K, V per head, the context, the softmax output (a s^2 b)
+    else:
+        core = 1 + kv + (1 + 2 * kv) + 1
+    return sbh * (norms + (core + rest) / tp)
+
+
+def logits_bytes(s: Shape, tokens: int, batch: int, tp: int, dtype: str) -> float:
+    """The output layer's logits (parameter dtype) and two fp32 tensors of the loss (log-softmax / its grad)."""
+    return tokens * batch * s.vocab / tp * (DTYPE_BYTES[dtype] + 8)
+
+
+def activation_bytes(s: Shape, tokens: int, micro_batch: int, micro_batches: int, tp: int, pp: int, cp: int,
+                     sp: bool, dtype: str, impl: str, recompute: str = "none") -> float:
+    """Training activations on the busiest pipeline stage under 1F1B (the module doc).
+    tokens: sequence length (split over CP); micro_batches: per optimizer step on this DP rank."""
+    per_rank = tokens // cp
+    per_layer = layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, recompute)
+    in_flight = min(pp, micro_batches)
+    stage_layers = s.layers // pp
+    first = stage_layers * in_flight * per_layer
+    if recompute == "full":  # one layer's full working set while it is recomputed
+        first += layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, "none")
+    element = DTYPE_BYTES[dtype]
+    last_logits = logits_bytes(s, per_rank, micro_batch, tp, dtype)
+    if pp == 1:
+        return first * element + last_logits
+    last = stage_layers * per_layer * element + last_logits
+    return max(first * element, last)
+
+
+def kv_cache_bytes(s: Shape, tokens: int, batch: int, tp: int, pp: int, dtype: str) -> float:
+    """K and V of every layer of a stage for `batch` sequences of `tokens` (prompt + response); query groups
+    are split over TP (replicated when TP exceeds them)."""
+    groups = max(s.groups / tp, 1)
+    return 2 * (s.layers // pp) * tokens * batch * groups * s.head_dim * DTYPE_BYTES[dtype]
