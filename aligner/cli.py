@@ -67,6 +67,7 @@ def train(algorithm: str, overrides: list[str]) -> int:
     _check_paths(cfg)
     if "reward" in cfg:
         _check_rl_inputs(cfg)
+    _check_memory(algorithm, cfg)
     run_dir = Path(cfg.run_dir)
     config_path = run_dir / "config.yaml"
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
@@ -95,6 +96,17 @@ def _use_log_dir(log_dir: Path) -> None:
 
     errors.set_log_dir(log_dir)
     use_run_log_dir(log_dir)
+
+
+def _check_memory(algorithm: str, cfg) -> None:
+    """On a GPU host, the planner's memory check (aligner/plan) before any rank starts."""
+    import torch
+
+    if torch.cuda.is_available():
+        from aligner.config.load import expected_world_size
+        from aligner.plan.cli import preflight
+
+        preflight(algorithm, cfg, expected_world_size(cfg), int(os.environ.get("SLURM_NNODES", "1")))
 
 
 def _check_paths(cfg) -> None:

@@ -104,6 +104,29 @@ def plan(algorithm: str, overrides: list[str]) -> dict:
             "timing": {k: round(v, 3) for k, v in result["timing"].items()}}
 
 
+def preflight(algorithm: str, cfg, world_size: int, nodes: int) -> None:
+    """`aligner train`'s check on a GPU host, before any rank starts: the trainer's GPUs of this run (its
+    world over `nodes` nodes, this host's device) hold the actor, reference and generation engine.
+    Raises a UsageError with the planner's sentences; layout rules are load_config's."""
+    import torch
+
+    from aligner.plan.estimate import Lengths, plan_run
+    from aligner.plan.hardware import detect
+    from aligner.plan.layout import Cluster
+
+    if algorithm not in ALGORITHMS:
+        return
+    props = torch.cuda.get_device_properties(0)
+    cluster = Cluster(detect(props.name, props.total_memory / 1024 ** 3), max(world_size // nodes, 1), nodes,
+                      1 if "critic" in cfg else 0)
+    rl = "algorithm" in cfg
+    lengths = Lengths(cfg.data.max_length if rl else 0, cfg.sampling.max_new_tokens if rl else 0)
+    result = plan_run(cfg, algorithm, cluster, lengths, vocab_size(cfg), "none")
+    errors = [e for e in memory_errors(cfg, result, cluster.hw.name) if e.startswith("the trainer's")]
+    if errors:
+        raise UsageError(errors[0], f"aligner plan {algorithm}", "see `aligner plan --help`")
+
+
 def memory_errors(cfg, result: dict, gpu: str) -> list[str]:
     """One sentence per group of GPUs over its memory: what is needed, what there is, what to change."""
     c, usable, errors = result["components"], result["usable_gib"], []

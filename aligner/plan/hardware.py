@@ -61,3 +61,15 @@ def cpu(memory_gib: float) -> Accelerator:
     """One CPU rank (one core: aligner runs one thread per rank) with the stated memory; nothing reserved
     (the validation subtracts the process's own start-up memory)."""
     return Accelerator("cpu", float(memory_gib), 50e9, None, 10 * GB, 5 * GB, 1 * GB, 10 * GB, 0.0)
+
+
+def detect(device_name: str, memory_gib: float) -> Accelerator:
+    """The table's entry for a CUDA device name (torch.cuda.get_device_name), else one with the device's
+    own memory and the H100's speeds (only its memory is used by the pre-launch check)."""
+    name = device_name.upper()
+    for key, marker in (("h200", "H200"), ("h100-80gb", "H100"), ("a100-80gb", "A100")):
+        if marker in name and abs(ACCELERATORS[key].memory_gib - memory_gib) < 8:
+            return ACCELERATORS[key]
+    h100 = ACCELERATORS["h100-80gb"]
+    return Accelerator(device_name, memory_gib, h100.bf16_flops, h100.fp8_flops, h100.hbm_bytes_per_s,
+                       h100.nvlink_bytes_per_s, h100.ib_bytes_per_s, h100.pcie_bytes_per_s, RUNTIME_RESERVE_GIB)
