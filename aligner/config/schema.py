@@ -23,6 +23,12 @@ class TransformerImpl(StrEnum):
     transformer_engine = "transformer_engine"
 
 
+class Recompute(StrEnum):
+    none = "none"
+    selective = "selective"  # each layer's core attention (softmax(QK^T)V) runs again in the backward pass
+    full = "full"  # every decoder layer runs again from its saved input (megatron's full, uniform, 1 layer a chunk)
+
+
 class DataFormat(StrEnum):
     auto = "auto"  # chat when a record has "messages", else input/output
     chat = "chat"
@@ -67,6 +73,8 @@ class ModelConfig:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    # activation recomputation: keeps only each layer's input (full) for ~1/3 more compute; what lets 405B train
+    recompute: Recompute = Recompute.none
     pretrained: Optional[str] = None  # an aligner (megatron) checkpoint dir to start from
 
 

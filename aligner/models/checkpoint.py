@@ -33,8 +33,9 @@ class NotACheckpoint(UserError, FileNotFoundError):
 # Distributed-optimizer state: one shard per DP rank, written in parallel with no gather. Such a
 # state resumes at the same TP/PP (any DP); the model weights themselves load at any layout.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# how a model was run, not what it is: kept out of aligner.json's "model" (a run's own config decides them)
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "sequence_parallel")
+                 "sequence_parallel", "recompute")
 
 
 def unwrap(model):

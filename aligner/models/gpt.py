@@ -77,6 +77,10 @@ def transformer_config(m, **overrides):
         apply_rope_fusion=False,
         persist_layer_norm=False,
     )
+    if m.recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    elif m.recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
