@@ -102,6 +102,10 @@ def validate(cfg, world_size: int) -> None:
         from aligner.config.rs_schema import validate_rs
 
         validate_rs(cfg)
+    if "kd" in cfg:
+        from aligner.config.kd_schema import validate_kd
+
+        validate_kd(cfg)
     if cfg.data.get("packing") and cfg.model.transformer_impl == "transformer_engine":
         raise ConfigError("data.packing=true needs the local layer spec (model.transformer_impl=local or auto on a "
                           "host without Transformer Engine)")

@@ -1,8 +1,9 @@
-"""Log-probabilities and entropy from vocab-parallel logits, never gathering the vocabulary.
+"""Log-probabilities, entropy, top-k and logits at given ids from vocab-parallel logits, never
+gathering the vocabulary.
 
 Logits arrive split over tensor-parallel ranks along the last dimension ([..., V/TP] each).
-Each function communicates only [...]-shaped reductions over the TP group. Columns at or past
-`vocab_size` (megatron's padding rows) are excluded from the softmax.
+Each function communicates only [...]-shaped reductions (or k candidates per position) over the TP
+group. Columns at or past `vocab_size` (megatron's padding rows) are excluded from the softmax.
 """
 from __future__ import annotations
 
@@ -24,14 +25,20 @@ def _all_reduce(t, op, group):
     return t
 
 
-def _shifted_softmax(logits, vocab_size, group, rank):
-    """Returns (z = logits - global max, p = softmax, log Z, first global column id)."""
+def _without_padding(logits, vocab_size, start):
+    """float32 logits with megatron's padding columns (global ids >= vocab_size) at -inf."""
     local_vocab = logits.shape[-1]
-    start = rank * local_vocab
     logits = logits.float()
     if vocab_size is not None and start + local_vocab > vocab_size:
         padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
         logits = logits.masked_fill(padding, float("-inf"))
+    return logits
+
+
+def _shifted_softmax(logits, vocab_size, group, rank):
+    """Returns (z = logits - global max, p = softmax, log Z, first global column id)."""
+    start = rank * logits.shape[-1]
+    logits = _without_padding(logits, vocab_size, start)
     maximum = _all_reduce(logits.max(dim=-1, keepdim=True).values.detach(), dist.ReduceOp.MAX, group)
     z = logits - maximum
     exp_z = z.exp()
@@ -94,3 +101,41 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_si
 def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """Entropy of the softmax per position, in nats. logits [..., V/TP]."""
     return _VocabParallelEntropy.apply(logits, vocab_size)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits per position and their global ids, (values float32 [..., k], ids int64
+    [..., k]), largest first. Each TP rank takes the top k of its slice (padding columns excluded);
+    the TP ranks' k candidates (k x TP per position, never the vocabulary) are all-gathered and the
+    top k of them kept, which is the top k of the whole vocabulary."""
+    group, rank = _tp_group()
+    start = rank * logits.shape[-1]
+    values, ids = _without_padding(logits, vocab_size, start).topk(min(k, logits.shape[-1]), dim=-1)
+    ids = ids + start
+    if group is None or dist.get_world_size(group) == 1:
+        return values, ids
+    size = dist.get_world_size(group)
+    all_values, all_ids = [torch.empty_like(values) for _ in range(size)], [torch.empty_like(ids) for _ in range(size)]
+    dist.all_gather(all_values, values.contiguous(), group=group)
+    dist.all_gather(all_ids, ids.contiguous(), group=group)
+    values, pick = torch.cat(all_values, -1).topk(k, dim=-1)
+    return values, torch.cat(all_ids, -1).gather(-1, pick)
+
+
+def vocab_parallel_gather(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The logits at global token `ids` [..., K] from vocab-parallel `logits` [..., V/TP], as float32
+    [..., K]; differentiable. Each TP rank reads the ids in its vocabulary range (0 elsewhere) and an
+    all-reduce over the TP group sums the parts; its backward is the identity, so each rank's
+    gradient reaches only the columns it owns (megatron's `reduce_from_tensor_model_parallel_region`)."""
+    group, rank = _tp_group()
+    local_vocab = logits.shape[-1]
+    local = ids - rank * local_vocab
+    mine = (local >= 0) & (local < local_vocab)
+    picked = logits.float().gather(-1, local.clamp(0, local_vocab - 1))
+    picked = torch.where(mine, picked, torch.zeros_like(picked))
+    if group is None or dist.get_world_size(group) == 1:
+        return picked
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(picked)

@@ -1,0 +1,283 @@
+"""Knowledge distillation: the top-k KD loss by hand, its vocab-parallel form at TP=2 against TP=1,
+`aligner teacher-logits` (TP=2 against TP=1, resumable), `aligner train kd` offline and online through
+the CLI (metrics, resume, an error), and the learning comparison on the tiny arithmetic task: a student
+distilled from the SFT model reaches a lower validation NLL than SFT alone in the same steps."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aligner.algorithms import kd_loss
+from aligner.algorithms import teacher_logits_store as store
+from tests.conftest import assert_cli_ok, assert_metrics_match_by_step, read_metrics, run_cli, start_cli
+
+LN2, LN3 = math.log(2.0), math.log(3.0)
+TOP_K = 32
+
+
+# ---- the maths, by hand ----------------------------------------------------------------------------------
+# One position, K = 2: teacher logits (0, ln 3) -> q = (1/4, 3/4); student logits (0, 0) -> p = (1/2, 1/2).
+TEACHER, STUDENT = torch.tensor([0.0, LN3]), torch.tensor([0.0, 0.0])
+FWD = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)  # KL(q || p) = 0.130812
+BWD = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)  # KL(p || q) = 0.143841
+
+
+def test_forward_and_backward_kl_by_hand():
+    assert kd_loss.topk_kd_divergence(STUDENT, TEACHER, "fwd_kl").item() == pytest.approx(0.130812, abs=1e-6)
+    assert kd_loss.topk_kd_divergence(STUDENT, TEACHER, "bwd_kl").item() == pytest.approx(0.143841, abs=1e-6)
+    assert FWD == pytest.approx(0.130812, abs=1e-6) and BWD == pytest.approx(0.143841, abs=1e-6)
+    # equal distributions (a shift of the logits changes nothing) -> 0
+    assert kd_loss.topk_kd_divergence(TEACHER + 5.0, TEACHER, "fwd_kl").item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="fwd_kl, bwd_kl"):
+        kd_loss.topk_kd_divergence(STUDENT, TEACHER, "jsd")
+
+
+def test_logit_scales_by_hand():
+    # teacher logits (0, 2 ln 3) at scale 1/2 are q = (1/4, 3/4) again
+    scaled = kd_loss.topk_kd_divergence(STUDENT, 2 * TEACHER, "fwd_kl", teacher_scale=0.5)
+    assert scaled.item() == pytest.approx(FWD, abs=1e-6)
+    # student logits (0, ln 3 / 2) at scale 2 are p = q: nothing left to learn
+    assert kd_loss.topk_kd_divergence(TEACHER / 2, TEACHER, "bwd_kl", student_scale=2.0).item() == pytest.approx(0.0, abs=1e-6)
+    # teacher at scale 0: q uniform = p -> 0; student at scale 2 on (0, ln 3): p = (1/10, 9/10), q = (1/4, 3/4)
+    assert kd_loss.topk_kd_divergence(STUDENT, TEACHER, "fwd_kl", teacher_scale=1e-9).item() == pytest.approx(0.0, abs=1e-6)
+    expected = 0.25 * math.log(0.25 / 0.1) + 0.75 * math.log(0.75 / 0.9)  # 0.092348
+    assert kd_loss.topk_kd_divergence(TEACHER, TEACHER, "fwd_kl", student_scale=2.0).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_gradients_by_hand():
+    """d KL(q||p) / d s = p - q; d KL(p||q) / d s_j = p_j (log p_j - log q_j - KL(p||q)); the teacher gets none."""
+    student, teacher = STUDENT.clone().requires_grad_(True), TEACHER.clone().requires_grad_(True)
+    kd_loss.topk_kd_divergence(student, teacher, "fwd_kl").backward()
+    assert torch.allclose(student.grad, torch.tensor([0.25, -0.25]), atol=1e-6)
+    assert teacher.grad is None or not teacher.grad.any()
+    student.grad = None
+    kd_loss.topk_kd_divergence(student, teacher, "bwd_kl").backward()
+    by_hand = [0.5 * (LN2 - BWD), 0.5 * (math.log(2 / 3) - BWD)]  # (0.274653, -0.274653)
+    assert torch.allclose(student.grad, torch.tensor(by_hand), atol=1e-6)
+    student.grad = None
+    kd_loss.topk_kd_divergence(student, teacher, "fwd_kl", student_scale=2.0).backward()  # 2 (p - q), p = (1/2, 1/2)
+    assert torch.allclose(student.grad, torch.tensor([0.5, -0.5]), atol=1e-6)
+
+
+def test_loss_weights_and_mask_by_hand():
+    """Two tokens, the second masked: loss = 2 x kd + 0.5 x nll over the first only."""
+    divergence = torch.tensor([[FWD, 5.0]])
+    label_logprobs = torch.tensor([[-LN2, math.log(0.1)]])
+    loss, kd, nll = kd_loss.kd_objective(divergence, label_logprobs, torch.tensor([[1.0, 0.0]]), 2.0, 0.5)
+    assert kd.item() == pytest.approx(0.130812, abs=1e-6) and nll.item() == pytest.approx(LN2, abs=1e-6)
+    assert loss.item() == pytest.approx(2 * 0.130812 + 0.5 * 0.693147, abs=1e-5)  # 0.608198
+
+
+def test_topk_support_against_plain_python():
+    """The student's loss on a 7-token vocabulary (one padding column) through kd.py's values and loss,
+    against the definition written out with Python floats."""
+    from aligner.algorithms.kd import kd_token_loss, kd_values
+    from aligner.models.logprobs import vocab_parallel_topk
+
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(1, 1, 8, generator=g), torch.randn(1, 1, 8, generator=g)
+    teacher[..., 7] = 100.0  # a padding column: never in the support
+    values, ids = vocab_parallel_topk(teacher, 3, vocab_size=7)
+    support = sorted(range(7), key=lambda i: -teacher[0, 0, i].item())[:3]
+    assert ids[0, 0].tolist() == support
+    local = {"labels": torch.tensor([[4]]), "loss_mask": torch.ones(1, 1), "teacher_ids": ids, "teacher_logits": values,
+             "position_ids": torch.zeros(1, 1, dtype=torch.long)}
+    cfg = SimpleNamespace(loss="bwd_kl", loss_weight=1.0, sft_loss_weight=1.0, student_logits_scale=1.0,
+                          teacher_logits_scale=1.0)
+    loss, count, report = kd_token_loss(cfg)(kd_values(7)(student, local), local)
+    s, t = [student[0, 0, i].item() for i in support], [teacher[0, 0, i].item() for i in support]
+    p = [math.exp(x) / sum(math.exp(y) for y in s) for x in s]
+    q = [math.exp(x) / sum(math.exp(y) for y in t) for x in t]
+    bwd = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+    nll = math.log(sum(math.exp(student[0, 0, i].item()) for i in range(7))) - student[0, 0, 4].item()
+    assert report["kd/loss"].item() == pytest.approx(bwd, abs=1e-5)
+    assert report["sft/loss"].item() == pytest.approx(nll, abs=1e-5)
+    assert loss.item() == pytest.approx(bwd + nll, abs=1e-5) and count.item() == 1
+
+
+# ---- vocab-parallel: TP=2 against TP=1 -------------------------------------------------------------------
+@pytest.mark.dist
+def test_vocab_parallel_loss_and_gradient_at_tp2_equal_tp1(tmp_path):
+    from aligner.launch.local import launch
+
+    launch("tests.kd_workers:loss_parity", [str(tmp_path)], 2, log_dir=tmp_path / "logs")
+    diffs = json.loads((tmp_path / "parity.json").read_text())
+    print(diffs)
+    for name, d in diffs.items():
+        assert d["ids_equal"] and d["ids_below_vocab"] and d["values"] == 0.0, name  # the same top-k
+        assert d["kd_value"] > 0.1, name  # a loss worth comparing
+        assert d["loss"] < 1e-5 and d["kd"] < 1e-5 and d["sft"] < 1e-5, (name, d)
+        assert d["grad"] < 1e-6 * max(1.0, d["grad_norm"]), (name, d)
+        assert d["padding_grad"] == 0.0, name
+
+
+# ---- aligner teacher-logits --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def assets(tiny_assets, rl_assets, tmp_path_factory):
+    """The arithmetic SFT policy of the RL tests as the teacher, its training data, a validation file."""
+    from aligner.data.synthetic import write_sft_chat
+
+    root = tmp_path_factory.mktemp("kd")
+    write_sft_chat(root / "val.jsonl", 64, seed=2, max_operand=9)
+    lines = (rl_assets / "sft.jsonl").read_text().splitlines()
+    (root / "small.jsonl").write_text("\n".join(lines[:36]) + "\n")
+    return SimpleNamespace(root=root, teacher=rl_assets / "sft" / "checkpoints" / "step_000040",
+                           train=rl_assets / "sft.jsonl", val=root / "val.jsonl", small=root / "small.jsonl",
+                           tokenizer=tiny_assets / "tokenizer")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_teacher_logits_resume_after_an_interruption_and_tp2_equal_tp1(assets, tmp_path, monkeypatch):
+    from aligner.algorithms.teacher_logits import write_teacher_logits
+
+    args = (assets.teacher, assets.small, TOP_K)
+    write_teacher_logits(args[0], args[1], tmp_path / "tp1", TOP_K, chunk_size=8)  # 36 samples: 5 chunks
+    written, save = [], store.save_chunk
+
+    def save_then_stop(out_dir, index, *tensors):
+        written.append(index)
+        save(out_dir, index, *tensors)
+        if len(written) == 2:
+            raise Interrupted
+
+    monkeypatch.setattr(store, "save_chunk", save_then_stop)
+    with pytest.raises(Interrupted):
+        write_teacher_logits(*args[:2], tmp_path / "resumed", TOP_K, chunk_size=8)
+    assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == [
+        "chunk_00000.safetensors", "chunk_00001.safetensors", "manifest.json"]
+    written.clear()
+    monkeypatch.setattr(store, "save_chunk", lambda out_dir, index, *tensors: (written.append(index),
+                                                                                 save(out_dir, index, *tensors)))
+    write_teacher_logits(*args[:2], tmp_path / "resumed", TOP_K, chunk_size=8)
+    assert written == [2, 3, 4]  # continued from the first missing chunk
+    names = sorted(p.name for p in (tmp_path / "tp1").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "resumed").iterdir()) and len(names) == 6
+    for name in names:
+        assert (tmp_path / "tp1" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+    write_teacher_logits(*args[:2], tmp_path / "resumed", TOP_K, chunk_size=8)  # complete: nothing to do
+    assert written == [2, 3, 4]
+
+    result = run_cli("teacher-logits", "--teacher", str(assets.teacher), "--data", str(assets.small), "--top-k",
+                     str(TOP_K), "--out", str(tmp_path / "tp2"), "--tp", "2", "--chunk-size", "8")
+    assert_cli_ok(result)
+    one, two = store.TeacherLogits(tmp_path / "tp1"), store.TeacherLogits(tmp_path / "tp2")
+    assert one.manifest == two.manifest and len(one) == 36
+    worst, rows = 0.0, 0
+    for i in range(len(one)):
+        (ids1, v1), (ids2, v2) = one[i], two[i]
+        rows += len(ids1)
+        worst = max(worst, (v1 - v2).abs().max().item())
+        assert torch.equal(ids1, ids2), i  # no near-ties in this data: the same ids in the same order
+    print(f"teacher-logits TP=2 vs TP=1: {rows} positions x {TOP_K}, ids equal, max |value diff| {worst:.2e}")
+    assert rows > 36 and worst < 1e-4
+
+
+def test_teacher_logits_refuses_what_does_not_fit(assets, tmp_path, tokenizer):
+    from aligner.algorithms.teacher_logits import write_teacher_logits
+    from aligner.data.jsonl import DataError
+    from aligner.errors import UsageError, UserError
+
+    with pytest.raises(UsageError, match="--top-k 600 is not in"):
+        write_teacher_logits(assets.teacher, assets.small, tmp_path / "big_k", 600)
+    out = tmp_path / "made"
+    write_teacher_logits(assets.teacher, assets.small, out, 4, chunk_size=64)
+    with pytest.raises(DataError, match="made from .*small.jsonl"):  # another data file into the same --out
+        write_teacher_logits(assets.teacher, assets.val, out, 4, chunk_size=64)
+    with pytest.raises(UserError, match="another top_k"):
+        write_teacher_logits(assets.teacher, assets.small, out, 5, chunk_size=64)
+    manifest = store.read_manifest(out)
+    same = store.data_identity(assets.small, tokenizer, "tok", "auto", 256, "truncate")
+    store.check_matches(manifest, same, "kd.teacher_logits", "fix")  # the same data and tokenizer (another copy)
+    with pytest.raises(DataError, match="max_length=256, this run has max_length=64"):
+        store.check_matches(manifest, {**same, "data": {**same["data"], "max_length": 64}}, "kd.teacher_logits", "fix")
+    with pytest.raises(DataError, match="another tokenizer"):
+        store.check_matches(manifest, {**same, "tokenizer": {"path": "x", "fingerprint": "0"}}, "kd.teacher_logits", "f")
+    (out / "chunk_00000.safetensors").unlink()
+    with pytest.raises(UserError, match="incomplete"):
+        store.TeacherLogits(out)
+    with pytest.raises(UserError, match="does not exist"):
+        store.TeacherLogits(tmp_path / "nowhere")
+
+
+# ---- aligner train kd: the learning comparison, offline and online, resume, errors --------------------------
+def common(assets, run_dir, steps: int = 20):
+    return (f"run_dir={run_dir}", f"data.train_path={assets.train}", f"data.val_path={assets.val}",
+            f"tokenizer.path={assets.tokenizer}", f"trainer.max_steps={steps}", f"trainer.val_interval={steps // 2}",
+            "optim.lr=3e-3", "optim.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false")
+
+
+@pytest.fixture(scope="module")
+def runs(assets):
+    """SFT alone and offline KD (weights 1 and 1) from the same initial weights, 20 steps, the same data
+    and seed; the teacher is the SFT model trained 40 steps."""
+    from aligner.algorithms.teacher_logits import write_teacher_logits
+
+    root = assets.root
+    write_teacher_logits(assets.teacher, assets.train, root / "train_logits", TOP_K, chunk_size=128)
+    write_teacher_logits(assets.teacher, assets.val, root / "val_logits", TOP_K, chunk_size=128)
+    baseline = start_cli("train", "sft", *common(assets, root / "sft"))
+    kd = run_cli("train", "kd", *common(assets, root / "kd"), f"kd.teacher_logits={root / 'train_logits'}",
+                 f"kd.val_teacher_logits={root / 'val_logits'}", "kd.sft_loss_weight=1", "trainer.save_interval=10")
+    _, stderr = baseline.communicate(timeout=600)
+    assert baseline.returncode == 0, stderr[-3000:]
+    assert_cli_ok(kd)
+    return SimpleNamespace(root=root, sft=read_metrics(root / "sft"), kd=read_metrics(root / "kd"))
+
+
+def test_distilled_student_beats_sft_alone_in_the_same_steps(runs):
+    sft_val, kd_val = runs.sft[-1]["val/loss"], runs.kd[-1]["val/sft/loss"]
+    print(f"validation NLL after 20 steps: SFT {sft_val:.4f}, KD from the SFT model {kd_val:.4f}")
+    assert runs.sft[-1]["step"] == runs.kd[-1]["step"] == 20
+    assert kd_val < sft_val - 0.02
+
+
+def test_offline_metrics_and_resume(runs, assets):
+    for m in runs.kd:
+        assert m["loss"] == pytest.approx(m["kd/loss"] + m["sft/loss"], rel=1e-5)  # both weights 1
+        assert m["kd/loss"] >= 0
+    val = {m["step"]: m for m in runs.kd if "val/loss" in m}
+    assert sorted(val) == [10, 20]
+    assert val[20]["val/loss"] == pytest.approx(val[20]["val/kd/loss"] + val[20]["val/sft/loss"], rel=1e-5)
+    assert runs.kd[-1]["kd/loss"] < 0.5 * runs.kd[0]["kd/loss"]  # it learns the teacher
+    # resume from the step-10 checkpoint: steps 11..20 again, bitwise
+    run_dir = runs.root / "kd"
+    shutil.rmtree(run_dir / "checkpoints" / "step_000020")
+    again = run_cli("train", "kd", *common(assets, run_dir), f"kd.teacher_logits={runs.root / 'train_logits'}",
+                    f"kd.val_teacher_logits={runs.root / 'val_logits'}", "kd.sft_loss_weight=1",
+                    "trainer.save_interval=10")
+    assert_cli_ok(again)
+    resumed = read_metrics(run_dir)
+    assert [m["step"] for m in resumed] == list(range(1, 21))
+    assert_metrics_match_by_step(resumed[10:], runs.kd, ["loss", "kd/loss", "sft/loss", "grad_norm"])
+    assert resumed[-1]["val/loss"] == runs.kd[-1]["val/loss"]
+
+
+@pytest.mark.dist
+def test_online_teacher_at_tp2_matches_the_precomputed_logits(runs, assets):
+    """kd.teacher=CKPT (teacher resident, top-k on the fly) at TP=2 trains like kd.teacher_logits at TP=1:
+    the same initial weights, data and top-k give the same first steps."""
+    run_dir = runs.root / "online"
+    result = run_cli("train", "kd", *common(assets, run_dir, steps=2), f"kd.teacher={assets.teacher}",
+                     f"kd.top_k={TOP_K}", "kd.sft_loss_weight=1", "launcher.nproc_per_node=2",
+                     "model.tensor_model_parallel_size=2")
+    assert_cli_ok(result)
+    online = read_metrics(run_dir)
+    for step in (0, 1):
+        for key in ("loss", "kd/loss", "sft/loss"):
+            assert online[step][key] == pytest.approx(runs.kd[step][key], abs=1e-4), (step, key)
+    assert {"val/loss", "val/kd/loss", "val/sft/loss"} <= set(online[1])
+
+
+def test_a_kd_mistake_through_the_cli(assets, tmp_path):
+    result = run_cli("train", "kd", *common(assets, tmp_path / "run", steps=2))
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "no teacher: set kd.teacher_logits=DIR" in lines[0]
