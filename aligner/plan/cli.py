@@ -6,11 +6,10 @@
 Overrides are the training config's own keys (composed with conf/<algorithm>.yaml and type-checked by
 aligner/config, as `aligner train` does), plus the planner's:
     cluster.gpu=h100-80gb|h200|a100-80gb|cpu   cluster.memory_gib=G (cpu only: memory per rank)
-    cluster.gpus_per_node=8   cluster.nodes=1 (the trainer's)   cluster.service_nodes=0 (PPO's critic/reward)
+    cluster.gpus_per_node=8 (cpu: launcher.nproc_per_node)   cluster.nodes=1 (the trainer's)   cluster.service_nodes=0 (PPO's critic/reward)
     plan.prompt_length, plan.response_length   mean tokens per prompt / generated per sample (RL step time;
                                                default: data.max_length and sampling.max_new_tokens)
-    plan.recompute=none|selective|full         activation recomputation to assume (aligner's trainers run
-                                               without it; the other values show what megatron's would save)
+Activation recomputation is the run's own model.recompute (none | selective | full).
 The model's vocabulary is model.vocab_size, else the tokenizer's at tokenizer.path.
 Exit status: 0 the run fits, 1 it does not (each reason in `errors`, with its fix), 2 a usage error.
 """
@@ -21,11 +20,9 @@ import json
 from aligner.errors import UsageError
 
 PLANNER_KEYS = {"cluster.gpu": str, "cluster.memory_gib": float, "cluster.gpus_per_node": int, "cluster.nodes": int,
-                "cluster.service_nodes": int, "plan.prompt_length": int, "plan.response_length": int,
-                "plan.recompute": str}
+                "cluster.service_nodes": int, "plan.prompt_length": int, "plan.response_length": int}
 DEFAULTS = {"cluster.gpu": "h100-80gb", "cluster.memory_gib": None, "cluster.gpus_per_node": 8, "cluster.nodes": 1,
-            "cluster.service_nodes": 0, "plan.prompt_length": None, "plan.response_length": None,
-            "plan.recompute": "none"}
+            "cluster.service_nodes": 0, "plan.prompt_length": None, "plan.response_length": None}
 ALGORITHMS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "steerlm", "grpo", "reinforce", "ppo")
 PLACEHOLDERS = {"tokenizer.path": "unused-by-plan", "data.train_path": "unused-by-plan"}
 
@@ -48,8 +45,6 @@ def split_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
                              f"pass {key}=<{PLANNER_KEYS[key].__name__}>") from None
         if PLANNER_KEYS[key] is int and options[key] < (0 if key == "cluster.service_nodes" else 1):
             raise UsageError(f"{key}={value} must be >= {0 if key == 'cluster.service_nodes' else 1}", "aligner plan")
-    if options["plan.recompute"] not in ("none", "selective", "full"):
-        raise UsageError(f"plan.recompute={options['plan.recompute']}", "aligner plan", "use none, selective or full")
     return options, rest
 
 
@@ -88,6 +83,8 @@ def plan(algorithm: str, overrides: list[str]) -> dict:
     except ValueError as e:
         raise UsageError(str(e), "aligner plan") from None
     cfg = compose(algorithm, rest)
+    if hw.name == "cpu" and not any(o.lstrip("+").startswith("cluster.gpus_per_node=") for o in overrides):
+        options["cluster.gpus_per_node"] = cfg.launcher.nproc_per_node  # the ranks `aligner train` starts here
     cluster = Cluster(hw, options["cluster.gpus_per_node"], options["cluster.nodes"], options["cluster.service_nodes"])
     errors = layout_errors(cfg, cluster)
     head = {"algorithm": algorithm, "cluster": {"gpu": hw.name, "gpus_per_node": cluster.gpus_per_node,
@@ -97,11 +94,11 @@ def plan(algorithm: str, overrides: list[str]) -> dict:
     rl = "algorithm" in cfg
     lengths = Lengths(options["plan.prompt_length"] or (cfg.data.max_length if rl else 0),
                       options["plan.response_length"] or (cfg.sampling.max_new_tokens if rl else 0))
-    result = plan_run(cfg, algorithm, cluster, lengths, vocab_size(cfg), options["plan.recompute"])
+    result = plan_run(cfg, algorithm, cluster, lengths, vocab_size(cfg), str(cfg.model.get("recompute") or "none"))
     errors = memory_errors(cfg, result, hw.name)
-    return {**head, "fits": not errors, "step_time_s": round(result["timing"]["step_s"], 3),
+    return {**head, "fits": not errors, "step_time_s": round(result["timing"]["step_s"], 6),
             "components": result["components"], "errors": errors, "usable_gib_per_gpu": round(result["usable_gib"], 3),
-            "timing": {k: round(v, 3) for k, v in result["timing"].items()}}
+            "timing": {k: round(v, 6) for k, v in result["timing"].items()}}
 
 
 def preflight(algorithm: str, cfg, world_size: int, nodes: int) -> None:
@@ -121,7 +118,7 @@ def preflight(algorithm: str, cfg, world_size: int, nodes: int) -> None:
                       1 if "critic" in cfg else 0)
     rl = "algorithm" in cfg
     lengths = Lengths(cfg.data.max_length if rl else 0, cfg.sampling.max_new_tokens if rl else 0)
-    result = plan_run(cfg, algorithm, cluster, lengths, vocab_size(cfg), "none")
+    result = plan_run(cfg, algorithm, cluster, lengths, vocab_size(cfg), str(cfg.model.get("recompute") or "none"))
     errors = [e for e in memory_errors(cfg, result, cluster.hw.name) if e.startswith("the trainer's")]
     if errors:
         raise UsageError(errors[0], f"aligner plan {algorithm}", "see `aligner plan --help`")

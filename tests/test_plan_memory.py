@@ -1,0 +1,113 @@
+"""The planner's memory model against real CPU runs: each run's measured peak memory per rank is within
++-15% of `aligner plan`'s figure for the same config (cluster.gpu=cpu: fp32 parameters, fp32 gradient
+buffer, Adam's two fp32 states, the local layer spec's activations).
+
+How memory is measured, and why this way: each rank (tests/plan_memory_worker.py) notes its resident
+set size (VmRSS) just before megatron builds the first GPTModel, runs the real trainer for two steps and
+reads its peak resident set size (VmHWM). The difference is what building, training and (RL) generating
+added at their peak. RSS is honest here because aligner's ranks keep freed memory in the process
+(aligner/runtime/cpu_memory.py raises glibc's mmap and trim thresholds), so the allocator's heap peak is
+the peak RSS; allocations above 32 MiB are still mapped and unmapped, and VmHWM sees those too. A torch
+allocator hook would count only tensors, and on CPU torch has no allocator statistics to read. What RSS
+also sees, and the plan does not model: modules imported after the baseline, gloo's buffers, the data
+loader's batches and Python objects, a few MB to a few tens of MB. So the sizes are chosen for the model
+to dominate (hundreds of MB): the tiny model with a large micro-batch (activations dominate) and a
+hidden-512, 8-layer model (weights, gradients and Adam dominate). Checkpoints, validation and TensorBoard
+are off: they are not part of a training step's peak.
+"""
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, cli_env
+
+TOLERANCE = 0.15
+MIB = 1024 ** 2
+H512 = ["model.hidden_size=512", "model.num_layers=8", "model.num_attention_heads=8", "model.ffn_hidden_size=2048",
+        "model.seq_length=128"]
+COMMON = ["trainer.max_steps=2", "trainer.save_last=false", "trainer.val_interval=0", "logging.tensorboard=false",
+          "logging.progress=false", "optim.warmup_steps=0"]
+CASES = {
+    "tiny sft 1 rank (activations)": ("sft", 1, ["model.seq_length=256", "trainer.micro_batch_size=32",
+                                                  "trainer.global_batch_size=32"]),
+    "h512 sft TP2": ("sft", 2, [*H512, "model.tensor_model_parallel_size=2", "trainer.micro_batch_size=4",
+                                "trainer.global_batch_size=8"]),
+    "h512 dpo PP2 + reference": ("dpo", 2, [*H512, "model.pipeline_model_parallel_size=2", "data.packing=false",
+                                            "data.overlong=truncate", "trainer.micro_batch_size=2",
+                                            "trainer.global_batch_size=4"]),
+    "h512 grpo DP2 dist-opt + reference": ("grpo", 2, [*H512, "optim.distributed_optimizer=true", "data.packing=false",
+                                                       "algorithm.prompts_per_step=4", "algorithm.num_generations=2",
+                                                       "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
+                                                       "sampling.max_new_tokens=48", "data.max_length=64",
+                                                       "reward.functions=[arithmetic]", "reward.workers=1"]),
+}
+
+
+def _long_text(rng, words: int) -> str:
+    return " ".join(f"{rng.randint(0, 99)}+{rng.randint(0, 99)}={rng.randint(0, 198)}" for _ in range(words))
+
+
+@pytest.fixture(scope="module")
+def data(tiny_assets, tmp_path_factory, tokenizer):
+    """Records longer than every max_length here (truncated to it), so each batch is padded to the plan's
+    length; RL prompts of 60-64 tokens (data.max_length=64 drops longer ones)."""
+    root, rng = tmp_path_factory.mktemp("plan_memory"), random.Random(0)
+    sft = root / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"input": "Q:", "output": _long_text(rng, 200)}) + "\n" for _ in range(64)))
+    pref = root / "pref.jsonl"
+    pref.write_text("".join(json.dumps({"prompt": "Q:", "chosen": _long_text(rng, 100), "rejected": _long_text(rng, 100)})
+                            + "\n" for _ in range(32)))
+    prompts, rows = root / "prompts.jsonl", []
+    while len(rows) < 16:
+        ids = tokenizer(_long_text(rng, 30))["input_ids"][:62]
+        text = tokenizer.decode(ids)
+        if 60 <= len(tokenizer(text)["input_ids"]) <= 64:
+            rows.append(json.dumps({"prompt": text, "answer": "1"}))
+    prompts.write_text("\n".join(rows) + "\n")
+    return {"sft": sft, "dpo": pref, "grpo": prompts, "tokenizer": tiny_assets / "tokenizer"}
+
+
+def _measure(algorithm: str, nproc: int, overrides: list[str], data, tmp_path) -> int:
+    out = tmp_path / "memory"
+    out.mkdir()
+    args = [algorithm, str(out), f"run_dir={tmp_path / 'run'}", f"data.train_path={data[algorithm]}",
+            f"tokenizer.path={data['tokenizer']}", f"launcher.nproc_per_node={nproc}", *COMMON, *overrides]
+    result = subprocess.run([sys.executable, "-m", "tests.plan_memory_worker", *args], cwd=REPO, env=cli_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
+    assert len(ranks) == nproc
+    print("\nper rank MiB (setup, peak) over the baseline:",
+          [((r["after_setup"] - r["before"]) / MIB, (r["peak"] - r["before"]) / MIB) for r in ranks])
+    return max(r["peak"] - r["before"] for r in ranks)
+
+
+def _planned(algorithm: str, nproc: int, overrides: list[str], data) -> dict:
+    from aligner.plan.cli import plan
+
+    result = plan(algorithm, [f"tokenizer.path={data['tokenizer']}", "cluster.gpu=cpu", "cluster.memory_gib=64",
+                              f"cluster.gpus_per_node={nproc}", *COMMON, *overrides])
+    assert result["fits"], result["errors"]
+    return result
+
+
+# NOT MET YET: measured peaks are above the plan by +65% (tiny SFT), +48% (h512 SFT TP2), +29% (h512 DPO PP2).
+# What autograd saves matches the formula (saved_tensors_hooks on the tiny model: 589 MiB saved vs 610 planned
+# with the logits), and the state right after the optimizer is built matches (149 MiB vs 132 planned); the gap is
+# the step's transient working set (the unfused attention's backward, activation gradients) and the heap growth
+# from freed temporaries glibc cannot reuse, which the plan does not model. strict: this fails once it passes.
+@pytest.mark.xfail(strict=True, reason="the plan does not yet model the CPU step's transient working set")
+@pytest.mark.parametrize("case", list(CASES))
+def test_measured_peak_is_within_15_percent_of_the_plan(case, data, tmp_path):
+    algorithm, nproc, overrides = CASES[case]
+    planned = _planned(algorithm, nproc, overrides, data)
+    components = {k: v["memory_gib_per_gpu"] * 1024 for k, v in planned["components"].items()}
+    planned_mib = sum(components.values())
+    measured_mib = _measure(algorithm, nproc, overrides, data, tmp_path) / MIB
+    error = measured_mib / planned_mib - 1
+    print(f"\n| {case} | {measured_mib:.0f} | {planned_mib:.0f} | {100 * error:+.1f}% | "
+          + ", ".join(f"{k} {v:.0f}" for k, v in components.items()) + " |")
+    assert abs(error) <= TOLERANCE, (case, measured_mib, planned_mib, components)
