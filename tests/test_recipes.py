@@ -183,7 +183,8 @@ def test_ppo_recipe_plans_and_validates(workspace, monkeypatch):
     cfg = _train_checks("ppo", overrides + plan["actor_args"])
     m = cfg.model
     assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size) == (8, 4)
-    assert 64 // 32 == 2 and cfg.trainer.global_batch_size % (cfg.trainer.micro_batch_size * 2) == 0
+    dp = actor["nodes"] * actor["ntasks-per-node"] // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
+    assert dp == RECIPES[recipe][1]["ppo"][1] and cfg.trainer.global_batch_size % (cfg.trainer.micro_batch_size * dp) == 0
     assert cfg.algorithm.prompts_per_step == 1024 and cfg.trainer.global_batch_size == 128  # NeMo-Aligner's runs
     # the service's ranks: `aligner serve critic "${service_args[@]}"` with 32 tasks
     monkeypatch.setenv("SLURM_NTASKS", "32")
@@ -242,9 +243,8 @@ def analytic_params(m, vocab: int, first: bool, last: bool) -> int:
 
 def test_each_stage_builds_on_meta_with_the_analytic_parameter_count(workspace, monkeypatch, tmp_path):
     entries, expected = [], []
-    stages = [("llama3_8b_sft_dpo", "sft", []), ("llama3_8b_sft_dpo", "dpo", []),
-              ("llama31_405b_sft_dpo", "sft", []), ("llama31_405b_sft_dpo", "dpo", []), ("llama3_70b_ppo", "ppo", [])]
-    for recipe, stage, _ in stages:
+    stages = [(recipe, stage) for recipe, (_, by_stage) in RECIPES.items() for stage in by_stage]
+    for recipe, stage in stages:
         nodes = RECIPES[recipe][1][stage][0]
         command = next(c for c in readme_commands(recipe, workspace) if stage in (c[2], "ppo"))
         user = command[3:] if stage != "ppo" else command[2:] + ["critic.url=localhost:5567"]
