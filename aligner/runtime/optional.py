@@ -19,6 +19,7 @@ OPTIONAL = {
     "tensorrt_llm": ("trtllm", "TensorRT-LLM rollout generation (install from NVIDIA's index on a GPU image)"),
     "pytriton": ("serve", "the PyTriton reward/critic/verifier servers"),
     "tritonclient": ("serve", "the reward/critic/verifier client (installed with nvidia-pytriton)"),
+    "modelopt": ("modelopt", "quantised export with NVIDIA ModelOpt (aligner export --quantize)"),
 }
 
 
