@@ -276,8 +276,35 @@ def test_online_teacher_at_tp2_matches_the_precomputed_logits(runs, assets):
     assert {"val/loss", "val/kd/loss", "val/sft/loss"} <= set(online[1])
 
 
-def test_a_kd_mistake_through_the_cli(assets, tmp_path):
-    result = run_cli("train", "kd", *common(assets, tmp_path / "run", steps=2))
+@pytest.mark.parametrize("overrides, error, fragment", [
+    ([], "ConfigError", "no teacher: set kd.teacher_logits=DIR"),
+    (["kd.teacher={teacher}", "kd.teacher_logits={root}"], "ConfigError", "kd.teacher and kd.teacher_logits both set"),
+    (["kd.teacher={teacher}", "kd.val_teacher_logits={root}"], "ConfigError", "needs kd.teacher_logits and data.val"),
+    (["kd.teacher={teacher}", "kd.loss_weight=0"], "ConfigError", "not both 0"),
+    (["kd.teacher={teacher}", "kd.teacher_logits_scale=0"], "ConfigError", "must be > 0"),
+    (["kd.teacher={teacher}", "kd.loss=jsd"], "ConfigError", "kd.loss"),
+    (["kd.teacher={teacher}", "kd.top_k=513"], "ConfigError", "kd.top_k=513 is larger than the teacher's vocabulary"),
+    (["kd.teacher={root}"], "UserError", "is not an aligner checkpoint"),
+    (["kd.teacher_logits={root}/nowhere"], "UserError", "nowhere is not a directory, kd.teacher_logits"),
+])
+def test_config_rules(assets, overrides, error, fragment):
+    from aligner.config import load_config
+    from aligner.errors import UserError
+
+    overrides = [o.format(teacher=assets.teacher, root=assets.root) for o in overrides]
+    with pytest.raises(UserError, match=fragment) as caught:
+        load_config("kd", ["data.train_path=train.jsonl", "tokenizer.path=tok", *overrides], world_size=1)
+    assert type(caught.value).__name__ == error
+
+
+@pytest.mark.parametrize("overrides, code, fragment", [
+    ([], 2, "no teacher: set kd.teacher_logits=DIR"),
+    (["model.vocab_size=600", "kd.teacher={teacher}"], 1,
+     "the teacher's vocabulary has 512 tokens, the student's 600, kd.teacher, distil between models of one tokenizer"),
+])
+def test_kd_mistakes_through_the_cli(assets, tmp_path, overrides, code, fragment):
+    result = run_cli("train", "kd", *common(assets, tmp_path / "run", steps=2),
+                     *[o.format(teacher=assets.teacher) for o in overrides])
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert "no teacher: set kd.teacher_logits=DIR" in lines[0]
+    assert result.returncode == code and len(lines) == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and fragment in lines[0], lines

@@ -201,9 +201,6 @@ def run(cfg) -> None:
                                                               d.val_path, tokenizer, cfg, vocab_size))
     else:
         check_vocab(read_metadata(k.teacher)["vocab_size"], vocab_size, "kd.teacher")
-        if k.top_k > vocab_size:
-            raise UserError(f"kd.top_k={k.top_k} is larger than the vocabulary ({vocab_size} tokens)", "kd.top_k",
-                            f"pass kd.top_k <= {vocab_size}")
     model, optimizer, scheduler = wrap_for_training(build_gpt(m, vocab_size), m, cfg.optim)
     # built after the student, so that the student's initial weights do not depend on the mode
     teacher = ResidentTeacher(k.teacher, m, k.top_k) if k.teacher else None

@@ -115,8 +115,11 @@ def first_missing_chunk(out_dir, manifest: dict) -> int:
 
 class TeacherLogits:
     """Random access to a complete directory by sample index: `[i] -> (ids int64 [n_i, K], logits
-    float32 [n_i, K])` at sample i's n_i loss positions. Chunks are read when first needed and the
-    last two are kept (a global batch touches few chunks when unshuffled, one row each otherwise)."""
+    float32 [n_i, K])` at sample i's n_i loss positions. Chunk files are memory-mapped and only a
+    sample's rows are read, so a shuffled batch costs a few rows per chunk, not whole chunks; the
+    most recently used chunks stay open."""
+
+    OPEN_CHUNKS = 64
 
     def __init__(self, out_dir, key: str = "kd.teacher_logits"):
         self.dir, self.key = Path(out_dir), key
@@ -127,22 +130,25 @@ class TeacherLogits:
                             f"{num_chunks(self.manifest)} chunks missing, from chunk {missing[0]})", key,
                             "rerun the same `aligner teacher-logits` command: it continues from the last complete chunk")
         self.top_k, self.vocab_size = self.manifest["top_k"], self.manifest["vocab_size"]
-        self._cache: dict[int, dict] = {}
+        self._open: dict[int, tuple] = {}  # chunk -> (safetensors handle, offsets), least recently used first
 
     def __len__(self) -> int:
         return self.manifest["num_samples"]
 
-    def _chunk(self, index: int) -> dict:
-        if index not in self._cache:
-            from safetensors.torch import load_file
+    def _chunk(self, index: int) -> tuple:
+        if index in self._open:
+            self._open[index] = self._open.pop(index)
+        else:
+            from safetensors import safe_open
 
-            if len(self._cache) >= 2:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[index] = load_file(str(chunk_path(self.dir, index)))
-        return self._cache[index]
+            if len(self._open) >= self.OPEN_CHUNKS:
+                self._open.pop(next(iter(self._open)))
+            handle = safe_open(str(chunk_path(self.dir, index)), "pt")
+            self._open[index] = (handle, handle.get_tensor("offsets").tolist())
+        return self._open[index]
 
     def __getitem__(self, sample: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self._chunk(sample // self.manifest["chunk_size"])
+        handle, offsets = self._chunk(sample // self.manifest["chunk_size"])
         row = sample % self.manifest["chunk_size"]
-        start, end = chunk["offsets"][row].item(), chunk["offsets"][row + 1].item()
-        return chunk["ids"][start:end].long(), chunk["logits"][start:end]
+        rows = slice(offsets[row], offsets[row + 1])
+        return handle.get_slice("ids")[rows].long(), handle.get_slice("logits")[rows]

@@ -62,16 +62,22 @@ def validate_kd(cfg) -> None:
             raise UserError(f"{k[key]} is not a directory", f"kd.{key}",
                             "pass the --out directory of `aligner teacher-logits`")
     if k.teacher:
-        _validate_teacher_layout(k.teacher, cfg.model)
+        _validate_online_teacher(k.teacher, k.top_k, cfg.model)
 
 
-def _validate_teacher_layout(teacher: str, m) -> None:
-    """The online teacher runs at the student's TP/PP: its heads and layers must split the same way."""
+def _validate_online_teacher(teacher: str, top_k: int, m) -> None:
+    """The online teacher is a checkpoint with at least top_k tokens, and runs at the student's TP/PP:
+    its heads and layers must split the same way. (Its vocabulary against the student's: in the ranks,
+    which load the tokenizer.)"""
     meta_path = Path(teacher) / "aligner.json"
     if not meta_path.is_file():
         raise UserError(f"{teacher} is not an aligner checkpoint (no aligner.json)", "kd.teacher",
                         "pass a checkpoint directory (<run_dir>/checkpoints/step_N)")
-    arch = json.loads(meta_path.read_text())["model"]
+    meta = json.loads(meta_path.read_text())
+    if top_k > meta["vocab_size"]:
+        raise ConfigError(f"kd.top_k={top_k} is larger than the teacher's vocabulary ({meta['vocab_size']} tokens); "
+                          f"pass kd.top_k <= {meta['vocab_size']}")
+    arch = meta["model"]
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     groups = arch.get("num_query_groups") or arch["num_attention_heads"]
     if arch["num_attention_heads"] % tp or groups % tp or arch["ffn_hidden_size"] % tp or arch["num_layers"] % pp:
