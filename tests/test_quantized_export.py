@@ -16,11 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from aligner.models.quantized_export import FORMATS, quantize_checkpoint
 from tests.conftest import run_cli, write_jsonl_lines
-
-pytest.importorskip("modelopt", reason="the modelopt extra (pip install 'aligner[modelopt]') is not installed")
-
-from aligner.models.quantized_export import FORMATS, quantize_checkpoint  # noqa: E402
 
 # Relative logit error bounds per format: max|dq - d| / max|d| and mean|dq - d| / mean|d| (about 3x what
 # was measured here: fp8 0.03-0.09 / 0.004-0.006, int8_sq 0.02 / 0.002, int4_awq 0.12 / 0.014).
