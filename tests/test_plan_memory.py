@@ -94,13 +94,16 @@ def _planned(algorithm: str, nproc: int, overrides: list[str], data) -> dict:
     return result
 
 
-# NOT MET YET: measured peaks are above the plan by +65% (tiny SFT), +48% (h512 SFT TP2), +29% (h512 DPO PP2).
+# NOT MET YET except for GRPO (+2.7%): measured peaks are above the plan by +65% (tiny SFT), +48% (h512 SFT TP2),
+# +29% (h512 DPO PP2).
 # What autograd saves matches the formula (saved_tensors_hooks on the tiny model: 589 MiB saved vs 610 planned
 # with the logits), and the state right after the optimizer is built matches (149 MiB vs 132 planned); the gap is
 # the step's transient working set (the unfused attention's backward, activation gradients) and the heap growth
 # from freed temporaries glibc cannot reuse, which the plan does not model. strict: this fails once it passes.
-@pytest.mark.xfail(strict=True, reason="the plan does not yet model the CPU step's transient working set")
-@pytest.mark.parametrize("case", list(CASES))
+GAP = pytest.mark.xfail(strict=True, reason="the plan does not yet model the CPU step's transient working set")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=GAP) if "grpo" not in c else c for c in CASES])
 def test_measured_peak_is_within_15_percent_of_the_plan(case, data, tmp_path):
     algorithm, nproc, overrides = CASES[case]
     planned = _planned(algorithm, nproc, overrides, data)
