@@ -258,6 +258,15 @@ def test_offline_metrics_and_resume(runs, assets):
     assert [m["step"] for m in resumed] == list(range(1, 21))
     assert_metrics_match_by_step(resumed[10:], runs.kd, ["loss", "kd/loss", "sft/loss", "grad_norm"])
     assert resumed[-1]["val/loss"] == runs.kd[-1]["val/loss"]
+    # continuing with other teacher logits of the same data is refused
+    from aligner.algorithms.teacher_logits import write_teacher_logits
+
+    write_teacher_logits(assets.teacher, assets.train, runs.root / "train_logits_top8", 8, chunk_size=128)
+    other = run_cli("train", "kd", *common(assets, run_dir, steps=30),
+                    f"kd.teacher_logits={runs.root / 'train_logits_top8'}", "kd.sft_loss_weight=1")
+    lines = [line for line in other.stderr.splitlines() if line.startswith("error: ")]
+    assert other.returncode == 1 and len(lines) == 1, other.stderr[-2000:]
+    assert "was trained with the top-32 logits" in lines[0] and "this run has the top-8 logits" in lines[0]
 
 
 @pytest.mark.dist

@@ -155,8 +155,16 @@ class KDTrainer(Trainer):
     def load_loop_state(self, state: dict) -> None:
         saved = state.get("teacher_logits")
         if saved != self.teacher_logits:
-            raise UserError(f"{self.run_dir} was trained on teacher logits {saved}, this run has {self.teacher_logits}",
-                            "kd.teacher_logits", "resume with the same teacher (logits), or use a new run_dir")
+            raise UserError(f"{self.run_dir} was trained with {_describe(saved)}, this run has "
+                            f"{_describe(self.teacher_logits)}", "kd.teacher_logits",
+                            "resume with the same teacher logits, or use a new run_dir")
+
+
+def _describe(teacher_logits: dict | None) -> str:
+    if teacher_logits is None:
+        return "an online teacher (kd.teacher)"
+    return (f"the top-{teacher_logits['top_k']} logits of {teacher_logits['teacher']['path']} for the data with "
+            f"sha256 {teacher_logits['data_sha256'][:12]}")
 
 
 # ---- the command ---------------------------------------------------------------------------------------------
