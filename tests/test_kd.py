@@ -1,5 +1,5 @@
 """Knowledge distillation: the top-k KD loss by hand, its vocab-parallel form at TP=2 against TP=1,
-`aligner teacher-logits` (TP=2 against TP=1, resumable), `aligner train kd` offline and online through
+`aligner teacher-logits` (TP=2 and PP=2 against TP=1, resumable), `aligner train kd` offline and online through
 the CLI (metrics, resume, an error), and the learning comparison on the tiny arithmetic task: a student
 distilled from the SFT model reaches a lower validation NLL than SFT alone in the same steps."""
 from __future__ import annotations
@@ -135,7 +135,7 @@ class Interrupted(Exception):
     pass
 
 
-def test_teacher_logits_resume_after_an_interruption_and_tp2_equal_tp1(assets, tmp_path, monkeypatch):
+def test_teacher_logits_resume_after_an_interruption_and_tp2_pp2_equal_tp1(assets, tmp_path, monkeypatch):
     from aligner.algorithms.teacher_logits import write_teacher_logits
 
     args = (assets.teacher, assets.small, TOP_K)
@@ -165,19 +165,26 @@ def test_teacher_logits_resume_after_an_interruption_and_tp2_equal_tp1(assets, t
     write_teacher_logits(*args[:2], tmp_path / "resumed", TOP_K, chunk_size=8)  # complete: nothing to do
     assert written == [2, 3, 4]
 
-    result = run_cli("teacher-logits", "--teacher", str(assets.teacher), "--data", str(assets.small), "--top-k",
-                     str(TOP_K), "--out", str(tmp_path / "tp2"), "--tp", "2", "--chunk-size", "8")
-    assert_cli_ok(result)
-    one, two = store.TeacherLogits(tmp_path / "tp1"), store.TeacherLogits(tmp_path / "tp2")
-    assert one.manifest == two.manifest and len(one) == 36
-    worst, rows = 0.0, 0
-    for i in range(len(one)):
-        (ids1, v1), (ids2, v2) = one[i], two[i]
-        rows += len(ids1)
-        worst = max(worst, (v1 - v2).abs().max().item())
-        assert torch.equal(ids1, ids2), i  # no near-ties in this data: the same ids in the same order
-    print(f"teacher-logits TP=2 vs TP=1: {rows} positions x {TOP_K}, ids equal, max |value diff| {worst:.2e}")
-    assert rows > 36 and worst < 1e-4
+    # TP=2 and PP=2 through the CLI, side by side
+    layouts = {"tp2": ("--tp", "2"), "pp2": ("--pp", "2")}
+    procs = {name: start_cli("teacher-logits", "--teacher", str(assets.teacher), "--data", str(assets.small),
+                             "--top-k", str(TOP_K), "--out", str(tmp_path / name), "--chunk-size", "8", *flags)
+             for name, flags in layouts.items()}
+    for name, proc in procs.items():
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (name, stderr[-3000:])
+    one = store.TeacherLogits(tmp_path / "tp1")
+    for name in layouts:
+        other = store.TeacherLogits(tmp_path / name)
+        assert one.manifest == other.manifest and len(one) == 36
+        worst, rows = 0.0, 0
+        for i in range(len(one)):
+            (ids1, v1), (ids2, v2) = one[i], other[i]
+            rows += len(ids1)
+            worst = max(worst, (v1 - v2).abs().max().item())
+            assert torch.equal(ids1, ids2), (name, i)  # no near-ties in this data: the same ids in the same order
+        print(f"teacher-logits {name} vs TP=1: {rows} positions x {TOP_K}, ids equal, max |value diff| {worst:.2e}")
+        assert rows > 36 and worst < 1e-4
 
 
 def test_teacher_logits_refuses_what_does_not_fit(assets, tmp_path, tokenizer):
@@ -270,19 +277,30 @@ def test_offline_metrics_and_resume(runs, assets):
 
 
 @pytest.mark.dist
-def test_online_teacher_at_tp2_matches_the_precomputed_logits(runs, assets):
-    """kd.teacher=CKPT (teacher resident, top-k on the fly) at TP=2 trains like kd.teacher_logits at TP=1:
-    the same initial weights, data and top-k give the same first steps."""
-    run_dir = runs.root / "online"
-    result = run_cli("train", "kd", *common(assets, run_dir, steps=2), f"kd.teacher={assets.teacher}",
-                     f"kd.top_k={TOP_K}", "kd.sft_loss_weight=1", "launcher.nproc_per_node=2",
-                     "model.tensor_model_parallel_size=2")
-    assert_cli_ok(result)
-    online = read_metrics(run_dir)
-    for step in (0, 1):
-        for key in ("loss", "kd/loss", "sft/loss"):
-            assert online[step][key] == pytest.approx(runs.kd[step][key], abs=1e-4), (step, key)
-    assert {"val/loss", "val/kd/loss", "val/sft/loss"} <= set(online[1])
+def test_online_teacher_at_tp2_and_pp2_matches_the_precomputed_logits(runs, assets):
+    """kd.teacher=CKPT (the teacher resident in each rank, top-k on the fly) at TP=2 and at PP=2 trains like
+    kd.teacher_logits=DIR at TP=1: from the same weights (a checkpoint, since PP changes the initialisation),
+    data and top-k, the same two steps."""
+    start = runs.root / "kd" / "checkpoints" / "step_000010"
+    online = (f"kd.teacher={assets.teacher}", f"kd.top_k={TOP_K}", "launcher.nproc_per_node=2")
+    layouts = {"offline_tp1": (f"kd.teacher_logits={runs.root / 'train_logits'}",
+                               f"kd.val_teacher_logits={runs.root / 'val_logits'}"),
+               "online_tp2": (*online, "model.tensor_model_parallel_size=2"),
+               "online_pp2": (*online, "model.pipeline_model_parallel_size=2", "trainer.micro_batch_size=2")}
+    procs = {name: start_cli("train", "kd", *common(assets, runs.root / name, steps=2), f"model.pretrained={start}",
+                             "kd.sft_loss_weight=1", *extra) for name, extra in layouts.items()}
+    for name, proc in procs.items():
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (name, stderr[-3000:])
+    reference = read_metrics(runs.root / "offline_tp1")
+    for name in ("online_tp2", "online_pp2"):
+        metrics = read_metrics(runs.root / name)
+        for step in (0, 1):
+            for key in ("loss", "kd/loss", "sft/loss"):
+                assert metrics[step][key] == pytest.approx(reference[step][key], rel=1e-4, abs=1e-5), (name, step, key)
+        assert metrics[1]["val/kd/loss"] == pytest.approx(reference[1]["val/kd/loss"], rel=1e-4, abs=1e-5), name
+        print(name, {k: metrics[1][k] for k in ("loss", "kd/loss", "sft/loss")}, "TP=1 offline:",
+              {k: reference[1][k] for k in ("loss", "kd/loss", "sft/loss")})
 
 
 @pytest.mark.parametrize("overrides, error, fragment", [
