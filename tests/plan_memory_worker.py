@@ -2,10 +2,21 @@
 
     python -m tests.plan_memory_worker ALGORITHM OUT_DIR [overrides...]
 
-composes the config as `aligner train` does, then starts its ranks with the embedded launcher; each rank
-(`rank`) notes its resident set size just before megatron builds the first GPTModel, runs the
-algorithm's own trainer (`aligner.cli.TRAINERS`), and writes {"before": bytes, "peak": VmHWM bytes} to
-OUT_DIR/rank_<RANK>.json."""
+composes the config as `aligner train` does, then starts its ranks with the embedded launcher. Each rank
+(`rank`) starts torch's profiler with memory recording just before megatron builds the first GPTModel,
+runs the algorithm's own trainer (`aligner.cli.TRAINERS`) to its last step, stops the profiler and writes
+OUT_DIR/rank_<RANK>.json:
+
+* `tensor_peak`: the peak of CPU tensor bytes allocated since the profiler started and not yet freed.
+  With profile_memory, c10's CPU allocator (ProfiledCPUMemoryReporter, c10/core/CPUAllocator.cpp) keeps a
+  table of every block allocated while profiling and a running total, and reports each allocation and
+  free to the profiler with that total (`total_allocated` of the Allocation events). Frees of blocks
+  allocated before the start are not in the table and do not lower the total; so the total's maximum is
+  exactly the peak of the tensor memory the run added over what existed before the model was built.
+* `allocations`, `peak_in`: how many allocation events, and the ops enclosing the allocation that reached
+  the peak (innermost first: where in the step the peak falls).
+* `rss_before`, `rss_peak`: VmRSS at the same starting point and VmHWM at the end (the process's peak).
+"""
 from __future__ import annotations
 
 import importlib
@@ -22,31 +33,51 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def allocation_peak(prof) -> tuple[int, int, list[str]]:
+    """(peak of the running total of CPU tensor bytes, how many allocation events, the names of the ops
+    that enclose the allocation that reached the peak, innermost first) from the profiler's event tree."""
+    from torch._C._profiler import _EventType
+
+    peak, count, stack = None, 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        kind, fields = node.typed
+        if kind == _EventType.Allocation and fields.device.type == "cpu":
+            count += 1
+            if peak is None or fields.total_allocated > peak[0]:
+                peak = (fields.total_allocated, node)
+    where, node = [], peak[1].parent
+    while node is not None:
+        where.append(node.name)
+        node = node.parent
+    return peak[0], count, where
+
+
 def rank(argv: list[str]) -> None:
     config_path, algorithm, out_dir = argv
+    import torch
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from aligner.cli import TRAINERS
 
-    before = {}
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    state: dict = {}
     build = GPTModel.__init__
 
-    def noting_build(self, *args, **kwargs):
-        before.setdefault("rss", _status_bytes("VmRSS"))
+    def profiled_build(self, *args, **kwargs):
+        if "rss_before" not in state:
+            state["rss_before"] = _status_bytes("VmRSS")
+            prof.start()
         build(self, *args, **kwargs)
 
-    GPTModel.__init__ = noting_build
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    schedule = OptimizerParamScheduler.__init__
-
-    def noting_setup(self, *args, **kwargs):  # built right after the DDP buffers and the optimizer
-        before.setdefault("setup", _status_bytes("VmRSS"))
-        schedule(self, *args, **kwargs)
-
-    OptimizerParamScheduler.__init__ = noting_setup
+    GPTModel.__init__ = profiled_build
     importlib.import_module(TRAINERS[algorithm]).main([config_path])
-    record = {"before": before["rss"], "after_setup": before.get("setup"), "peak": _status_bytes("VmHWM")}
+    prof.stop()
+    rss_peak = _status_bytes("VmHWM")
+    peak, count, where = allocation_peak(prof)
+    record = {"tensor_peak": peak, "allocations": count, "peak_in": where, "rss_before": state["rss_before"],
+              "rss_peak": rss_peak}
     Path(out_dir, f"rank_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
 
 

@@ -51,9 +51,30 @@ def test_activations_of_a_llama_70b_layer_by_hand():
     # without SP the four norm tensors stay whole on every TP rank (Korthikanti et al. 2022, section 4.2.2)
     assert M.layer_activation_elements(s, 4096, 1, 8, False, "te") == sbh * (4 + 12.75 / 8)
     assert M.layer_activation_elements(s, 4096, 1, 8, True, "te", "full") == sbh / 8
-    # local spec: 10 s*b*h + 4F + a*s^2*b (the softmax output)
+    # local spec: 12 s*b*h (2 norms x 2, the 2 residual sums, QKV output 3, rotated Q and K 2, context 1)
+    # + 4F (SwiGLU input 2F, silu F, product F) + a*s^2*b (the softmax output)
     tiny = M.Shape(4, 128, 4, 4, 32, 512, 512)
-    assert M.layer_activation_elements(tiny, 256, 32, 1, False, "local") == 256 * 32 * (10 * 128 + 4 * 512 + 4 * 256)
+    assert M.layer_activation_elements(tiny, 256, 32, 1, False, "local") == 256 * 32 * (12 * 128 + 4 * 512 + 4 * 256)
+    # torch's fused attention keeps its output (1) instead of the softmax and the context: 12 s*b*h + 4F
+    assert M.layer_activation_elements(tiny, 256, 32, 1, False, "local_sdpa") == 256 * 32 * (12 * 128 + 4 * 512)
+
+
+def test_step_peak_of_the_tiny_model_by_hand():
+    tiny = M.Shape(4, 128, 4, 4, 32, 512, 512)
+    sb = 256 * 32
+    layers = 4 * sb * (12 * 128 + 4 * 512 + 4 * 256)
+    embedding = sb * 128  # the first layer's input
+    buffer = 4 * 256 * 256 * 32  # megatron's baddbmm buffer, a*s^2*b
+    mlp_backward = sb * (2 * 128 + 3 * 512)  # residual and norm gradients + F + 2F + F - the freed F
+    loss_backward = sb * 2 * 128 + sb * 512 * 3  # the final norm + 3 x s*b*V
+    peak = 4 * (layers + embedding + buffer + max(mlp_backward, loss_backward))  # fp32
+    assert M.activation_bytes(tiny, 256, 32, 1, 1, 1, 1, False, "float32", "local") == peak
+    # PP 2 with 4 micro-batches: stage 0 holds 2 in flight of its 2 layers (and the embedding outputs),
+    # the last stage 1 of its 2 layers and the loss; TP 2 halves all but the norms and residual sums
+    per_layer = sb * (6 * 128 + (6 * 128 + 4 * 512 + 4 * 256) / 2)
+    first = 2 * (2 * per_layer + embedding) + buffer / 2 + sb * (2 * 128 + 3 * 512 / 2)
+    last = 2 * per_layer + buffer / 2 + max(sb * (2 * 128 + 3 * 512 / 2), sb * (2 * 128 + 3 * 512 / 2))
+    assert M.activation_bytes(tiny, 256, 32, 4, 2, 2, 1, False, "float32", "local") == 4 * max(first, last)
 
 
 def test_kv_cache_of_one_8k_llama3_8b_sequence_is_1_gib():

@@ -7,7 +7,9 @@ Components and where they live:
   weights in host memory with `cpu_swap` (swapped in over PCIe for its pass); absent when precomputed or
   without a KL term;
 * `generation` (online RL): the in-process Megatron engine decodes with the actor's own weights (refit
-  moves no bytes), so it adds the KV cache of `generation.batch_size` sequences and the last slot's logits;
+  moves no bytes); its KV cache (of at most `generation.batch_size` of the rank's sequences) and the last
+  slot's logits exist only while it generates, when the training step's activations do not: its
+  memory_gib_per_gpu is what they need beyond the actor's activations (kv_cache_gib shows the cache);
 * `critic` and `reward` (PPO): the service's GPUs (cluster.service_nodes), the critic trained there,
   the reward model's weights in host memory, swapped into the critic's parameters to score (PCIe).
 Memory uses the longest sequences the config allows (data.max_length + sampling.max_new_tokens for RL,
@@ -47,8 +49,16 @@ def _model_state(shape, params: int, dtype: str, dp: int, distributed: bool, tra
     return out
 
 
-def _component(gpus: int, layout: str, **parts) -> dict:
-    gib = sum(v for k, v in parts.items() if k.endswith("_gib") and k != "host_gib")
+def _samples(cfg) -> int:
+    """Sequences generated per step (all DP ranks): prompts x generations per prompt."""
+    a = cfg.algorithm
+    return int(a.get("prompts_per_step") or cfg.generation.batch_size) * int(a.get("num_generations") or 1)
+
+
+def _component(gpus: int, layout: str, total_gib: float | None = None, **parts) -> dict:
+    """memory_gib_per_gpu: the parts' sum (host memory apart), or `total_gib` where they do not coexist."""
+    gib = total_gib if total_gib is not None else sum(
+        v for k, v in parts.items() if k.endswith("_gib") and k != "host_gib")
     return {"gpus": gpus, "memory_gib_per_gpu": round(gib, 3), "layout": layout,
             **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in parts.items()}}
 
@@ -84,10 +94,15 @@ def plan_run(cfg, algorithm: str, cluster: Cluster, lengths: Lengths, vocab_size
         swap = cfg.reference.mode == "cpu_swap"
         components["reference"] = _component(cluster.gpus, layout, params_gib=0.0 if swap else weights,
                                              host_gib=weights if swap else 0.0)
-    if rl:
-        kv = M.kv_cache_bytes(shape, seq, cfg.generation.batch_size, tp, pp, dtype)
-        logits = cfg.generation.batch_size * shape.vocab * 4
+    if rl:  # the engine decodes at most its batch of this DP rank's samples at once
+        batch = max(min(cfg.generation.batch_size, _samples(cfg) // dp), 1)
+        kv = M.kv_cache_bytes(shape, seq, batch, tp, pp, dtype)
+        logits = batch * shape.vocab * 4
+        # The KV cache lives only inside a generate call (lean_decode: per call), when no activations are
+        # held, and the training step's activations are freed before the next generation: the two never
+        # coexist. The trainer's GPUs hold the larger, so generation adds only what exceeds the activations.
         components["generation"] = _component(cluster.gpus, layout + " (the actor's weights)",
+                                              total_gib=max(0.0, (kv + logits - acts) / GIB),
                                               kv_cache_gib=kv / GIB, logits_gib=logits / GIB)
     if "critic" in cfg:
         components.update(_service(cfg, cluster, shape, seq, dtype, impl, recompute, vocab_size))

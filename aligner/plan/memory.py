@@ -17,19 +17,33 @@ Conventions (what aligner builds: aligner/models/gpt.py, aligner/models/training
     input), the MLP keeps the SwiGLU input (2F/h) and the down projection's input (F/h):
     4 + 2 + 2gd/h + 3F/h. Tensor parallelism divides all but the four norm tensors; sequence
     parallelism divides those too (section 4.2.2).
-  - the local spec (CPU), counted with torch.autograd.graph.saved_tensors_hooks on aligner's model:
-    megatron's DotProductAttention keeps Q and K, V expanded to every head plus the softmax output
-    (3 + a*s/h), torch's fused attention (aligner.models.policy) keeps Q, K, the QKV projection's output
-    (which holds V) and its output (1 + gd/h + 1 + 2gd/h + 1); either with 2 x 2 norm tensors, 2 more
-    s*b*h tensors around the residual adds and 4F/h in the MLP (the SwiGLU kernel keeps its input and
-    one F-wide intermediate next to its output).
+  - the local spec (CPU), counted from the profiler's live CPU allocations at the step's peak
+    (tests/plan_memory_worker.py) on aligner's model: each RMSNorm keeps two s*b*h tensors and reads a
+    residual sum that stays alive (2 x 2 + 2, whole on every TP rank unless SP); the QKV projection's
+    output (1 + 2gd/h: V is a view of it) and the rotated Q and K (1 + gd/h); then megatron's
+    DotProductAttention keeps the softmax output (a*s/h) and the context (1), K and V repeated to every
+    head when g < a (2 more), while torch's fused attention keeps only its output (1); the MLP keeps the
+    SwiGLU input (2F/h), its silu (F/h) and the product that is the down projection's input (F/h).
   - selective recomputation drops the attention core (the s^2 term and, for the local spec, Q/K/V);
     full recomputation keeps only each layer's input (1, divided by TP under SP) plus one layer's
     working set during its backward.
-  - the output layer keeps the logits and the fp32 log-softmax (cross entropy / log-probs): s*b*V/t
-    elements in the parameter dtype and 2 x fp32.
-  - pipelining (1F1B): stage 0 holds min(PP, micro-batches) micro-batches in flight, each over L/PP
-    layers; so the first stage's activations are those of min(PP, m)/PP x L layers (section 4.2.3).
+* the step's peak (`activation_bytes`) is not the saved activations alone: it falls in the first
+  backward of a micro-batch, when everything saved is still alive and the backward's first gradients
+  exist too. On the last stage the larger of
+  - the loss's backward: the final norm's two s*b*h tensors and three s*b*V/t tensors (`logits_bytes`:
+    the saved log-softmax (or the vocab-parallel softmax), the log-probs' gradient scattered into the
+    vocabulary, the log-softmax backward's output; in the parameter dtype for the logits, fp32 for the rest);
+  - the last layer's MLP backward (`layer_backward_elements`): the residual stream's gradient and the
+    norm's (2 s*b*h, whole on every TP rank without SP) plus the down projection's input gradient (F),
+    the SwiGLU input's gradient (2F) and the backward's gate temporary (F), less the product (F) the down
+    projection's backward has just freed: 2 + 3F/(h t);
+  on the other stages the MLP backward term. The local spec also keeps megatron's global memory buffer,
+  the baddbmm input of a*s^2*b/t elements, allocated on the first forward and never freed; the first stage
+  keeps the embedding's output (s*b*h, the first layer's input) per micro-batch in flight. The same
+  gradient terms apply to Transformer Engine's layers (their backward produces the same gradients; no s^2
+  buffer). The optimizer step is never the peak: torch's fused AdamW on CPU
+  (aligner.models.training.use_fused_cpu_adam), like TE's and apex's on GPU, updates in place without
+  temporaries, and the activations are freed by then; Adam's states exist from the first step on.
 * KV cache for generation: 2 (K and V) x layers of the stage x tokens x batch x g/t query groups x d
   (Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2).
 """
@@ -112,45 +126,61 @@ def layer_activation_elements(s: Shape, tokens: int, batch: int, tp: int, sp: bo
     attention); recompute: none | selective | full."""
     h, sbh = s.hidden, tokens * batch * s.hidden
     kv = s.groups * s.head_dim / h
-    norms = 4 / (tp if sp else 1)
     if recompute == "full":
         return sbh / (tp if sp else 1)
     if impl == "te":
+        norms = 4 / (tp if sp else 1)
         core = 2 + 2 * kv
         rest = 3 * s.ffn / h
         return sbh * (norms + (core + rest) / tp)  # flash attention keeps no s^2 term: selective = none
-    rest = 2 + 4 * s.ffn / h
+    stream = (4 + 2) / (tp if sp else 1)  # the two norms' tensors and the residual sums they read
+    mlp = 4 * s.ffn / h
     if recompute == "selective":
         core = 1  # the projection's input
-    elif impl == "local":
-        core = 3 + 1 + s.heads * tokens / h  # Q, K, V per head, the context, the softmax output (a s^2 b)
     else:
-        core = 1 + kv + (1 + 2 * kv) + 1
-    return sbh * (norms + (core + rest) / tp)
+        core = (1 + 2 * kv) + (1 + kv)  # the QKV projection's output, the rotated Q and K
+        if impl == "local":
+            core += s.heads * tokens / h + 1 + (2 if s.groups < s.heads else 0)  # softmax (a s^2 b), context
+        else:
+            core += 1  # torch's fused attention: its output
+    return sbh * (stream + (core + mlp) / tp)
+
+
+def layer_backward_elements(s: Shape, tokens: int, batch: int, tp: int, sp: bool) -> float:
+    """The gradients alive at the peak of a layer's backward (its MLP, the first part the backward
+    reaches) over what the layer saved: 2 s*b*h (the residual stream's and the norm's) + 3F s*b/t."""
+    return tokens * batch * (2 * s.hidden / (tp if sp else 1) + 3 * s.ffn / tp)
 
 
 def logits_bytes(s: Shape, tokens: int, batch: int, tp: int, dtype: str) -> float:
-    """The output layer's logits (parameter dtype) and two fp32 tensors of the loss (log-softmax / its grad)."""
+    """The loss's backward on the last stage: the logits in the parameter dtype (saved by the log-softmax
+    in fp32 runs, where the two coincide) and two fp32 gradient-sized tensors (the module doc)."""
     return tokens * batch * s.vocab / tp * (DTYPE_BYTES[dtype] + 8)
 
 
 def activation_bytes(s: Shape, tokens: int, micro_batch: int, micro_batches: int, tp: int, pp: int, cp: int,
                      sp: bool, dtype: str, impl: str, recompute: str = "none") -> float:
-    """Training activations on the busiest pipeline stage under 1F1B (the module doc).
+    """The step's peak of activation memory on the busiest pipeline stage under 1F1B: what the
+    micro-batches in flight saved plus the first backward's gradients (the module doc).
     tokens: sequence length (split over CP); micro_batches: per optimizer step on this DP rank."""
     per_rank = tokens // cp
-    per_layer = layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, recompute)
-    in_flight = min(pp, micro_batches)
-    stage_layers = s.layers // pp
-    first = stage_layers * in_flight * per_layer
-    if recompute == "full":  # one layer's full working set while it is recomputed
-        first += layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, "none")
     element = DTYPE_BYTES[dtype]
-    last_logits = logits_bytes(s, per_rank, micro_batch, tp, dtype)
+    per_layer = layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, recompute)
+    stage_layers = s.layers // pp
+    sbh = per_rank * micro_batch * s.hidden / (tp if sp else 1)
+    backward = layer_backward_elements(s, per_rank, micro_batch, tp, sp) * element
+    if recompute == "full":  # one layer's full working set while it is recomputed
+        backward += layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, "none") * element
+    loss = 2 * sbh * element + logits_bytes(s, per_rank, micro_batch, tp, dtype)
+    buffer = s.heads / tp * per_rank ** 2 * micro_batch * element if impl == "local" else 0.0
+
+    def stage(in_flight: int, first: bool, last: bool) -> float:
+        saved = in_flight * (stage_layers * per_layer + (sbh if first else 0)) * element
+        return saved + buffer + max(backward, loss if last else 0.0)
+
     if pp == 1:
-        return first * element + last_logits
-    last = stage_layers * per_layer * element + last_logits
-    return max(first * element, last)
+        return stage(1, True, True)
+    return max(stage(min(pp, micro_batches), True, False), stage(1, False, True))
 
 
 def kv_cache_bytes(s: Shape, tokens: int, batch: int, tp: int, pp: int, dtype: str) -> float:
