@@ -23,13 +23,10 @@ from aligner.errors import UsageError, UserError
 
 # ---- the launching process --------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
-    import argparse
+    from aligner.generation.cli import ArgumentParser  # mistakes are one `error:` line (exit code 2)
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):
-            raise UsageError(message, self.prog, f"see `{self.prog} --help`")
-
-    parser = Parser(prog="aligner teacher-logits", description="a teacher's top-k logits per loss token of SFT data")
+    parser = ArgumentParser(prog="aligner teacher-logits",
+                            description="a teacher's top-k logits per loss token of SFT data")
     parser.add_argument("--teacher", required=True, help="teacher checkpoint (a language model)")
     parser.add_argument("--data", required=True, help="SFT JSONL (chat messages, or input/output)")
     parser.add_argument("--out", required=True, help="output directory (rerun to continue an interrupted one)")
@@ -72,6 +69,8 @@ def write_teacher_logits(teacher, data, out, top_k: int, *, tp: int = 1, pp: int
     if min(tp, pp, batch_size, chunk_size) < 1:
         raise UsageError("--tp, --pp, --batch-size and --chunk-size must be >= 1", "aligner teacher-logits")
     tokenizer_path = tokenizer_path or Path(teacher) / "tokenizer"
+    if not Path(tokenizer_path).is_dir():
+        raise UsageError(f"no tokenizer at {tokenizer_path}", "--tokenizer", "pass --tokenizer DIR (the student's)")
     tokenizer = load_tokenizer(tokenizer_path)
     max_length = max_length or meta["model"]["seq_length"]
     samples = load_sft_dataset(data, tokenizer, fmt, max_length, overlong)  # a bad record fails here
