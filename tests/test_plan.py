@@ -189,3 +189,38 @@ def test_impossible_layouts_are_refused_with_their_fix(overrides, fix):
 def test_usage_errors_exit_2(args):
     result = run_cli("plan", *args, "--json", timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error:"), result.stderr
+
+
+# ---- aligner train's pre-launch check on a GPU host ----------------------------------------------------------
+def _on_a_gpu_host(monkeypatch, name: str, gib: float) -> None:
+    """torch's device query answers as a GPU host's would; everything else (config, planner) is real."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(name=name, total_memory=int(gib * 1024 ** 3)))
+
+
+def test_train_refuses_a_layout_over_the_gpus_memory_before_any_rank_starts(monkeypatch):
+    from aligner.cli import _check_memory
+    from aligner.errors import UsageError
+
+    _on_a_gpu_host(monkeypatch, "NVIDIA H100 80GB HBM3", 79.6)
+    one_gpu = ["model=llama3_8b", "model.tensor_model_parallel_size=1", "model.sequence_parallel=false",
+               "launcher.nproc_per_node=1", "trainer.global_batch_size=8", "trainer.micro_batch_size=1"]
+    # 8.03e9 parameters on one GPU: bf16 weights 15 GiB + fp32 gradients 30 GiB + Adam 90 GiB
+    with pytest.raises(UsageError) as refused:
+        _check_memory("sft", compose("sft", one_gpu))
+    assert "the trainer's GPUs need" in refused.value.what and "H100" in refused.value.what.upper()
+    assert "optim.distributed_optimizer=true" in refused.value.what
+    fits = ["model=llama3_8b", "model.tensor_model_parallel_size=8", "launcher.nproc_per_node=8",
+            "model.seq_length=2048", "optim.distributed_optimizer=true", "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=1"]
+    _check_memory("sft", compose("sft", fits))  # the same model over 8 GPUs: no error
+    _on_a_gpu_host(monkeypatch, "NVIDIA A100-SXM4-40GB", 39.4)  # a device not in the table: its own memory
+    with pytest.raises(UsageError) as refused:
+        _check_memory("sft", compose("sft", [*fits[:3], "model.seq_length=8192", "trainer.micro_batch_size=8",
+                                             "trainer.global_batch_size=8"]))
+    assert "the trainer's GPUs need" in refused.value.what and "A100-SXM4-40GB has 36.4 GiB" in refused.value.what
