@@ -169,7 +169,9 @@ def test_memory_over_the_gpu_is_refused_with_the_fix():
     result, out = _plan_json("sft", "model=llama3_70b", "model.tensor_model_parallel_size=8",
                              "model.pipeline_model_parallel_size=1")
     assert result.returncode == 1 and out["fits"] is False
-    assert "optim.distributed_optimizer=true" in out["errors"][0] and "GiB" in out["errors"][0]
+    # one data-parallel rank: sharding the optimizer gains nothing, more pipeline stages or nodes do
+    assert "model.pipeline_model_parallel_size" in out["errors"][0] and "GiB" in out["errors"][0]
+    assert "distributed_optimizer" not in out["errors"][0]
 
 
 @pytest.mark.parametrize("overrides,fix", [
@@ -214,7 +216,7 @@ def test_train_refuses_a_layout_over_the_gpus_memory_before_any_rank_starts(monk
     with pytest.raises(UsageError) as refused:
         _check_memory("sft", compose("sft", one_gpu))
     assert "the trainer's GPUs need" in refused.value.what and "H100" in refused.value.what.upper()
-    assert "optim.distributed_optimizer=true" in refused.value.what
+    assert "distributed_optimizer" not in refused.value.what  # one data-parallel rank: nothing to shard over
     fits = ["model=llama3_8b", "model.tensor_model_parallel_size=8", "launcher.nproc_per_node=8",
             "model.seq_length=2048", "optim.distributed_optimizer=true", "trainer.global_batch_size=8",
             "trainer.micro_batch_size=1"]
@@ -224,3 +226,9 @@ def test_train_refuses_a_layout_over_the_gpus_memory_before_any_rank_starts(monk
         _check_memory("sft", compose("sft", [*fits[:3], "model.seq_length=8192", "trainer.micro_batch_size=8",
                                              "trainer.global_batch_size=8"]))
     assert "the trainer's GPUs need" in refused.value.what and "A100-SXM4-40GB has 36.4 GiB" in refused.value.what
+    _on_a_gpu_host(monkeypatch, "NVIDIA H100 80GB HBM3", 79.6)
+    with pytest.raises(UsageError) as refused:  # TP 2 x DP 4 without the distributed optimizer
+        _check_memory("sft", compose("sft", ["model=llama3_70b", "model.tensor_model_parallel_size=2",
+                                             "model.pipeline_model_parallel_size=1", "launcher.nproc_per_node=8",
+                                             "trainer.global_batch_size=8", "trainer.micro_batch_size=1"]))
+    assert "optim.distributed_optimizer=true" in refused.value.what

@@ -132,7 +132,7 @@ def memory_errors(cfg, result: dict, gpu: str) -> list[str]:
     if need > usable:
         parts = ", ".join(f"{n} {c[n]['memory_gib_per_gpu']:.1f}" for n in trainer)
         fixes = []
-        if not cfg.optim.distributed_optimizer:
+        if not cfg.optim.distributed_optimizer and not c["actor"]["layout"].endswith(" DP1"):
             fixes.append("optim.distributed_optimizer=true (shards the optimizer states over data-parallel ranks)")
         fixes.append("a larger model.tensor_model_parallel_size or model.pipeline_model_parallel_size")
         if c["actor"].get("activations_gib", 0) > 0.1 * need:
