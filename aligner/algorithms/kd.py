@@ -23,14 +23,14 @@ import torch
 from aligner.algorithms import kd_loss
 from aligner.algorithms import teacher_logits_store as store
 from aligner.algorithms.sft import SFTFormat
-from aligner.algorithms.teacher_logits import load_teacher, loss_positions, topk_forward_step
+from aligner.algorithms.teacher_logits import loss_positions, topk_forward_step
 from aligner.algorithms.trainer import Trainer
 from aligner.config import load_resolved
 from aligner.data.jsonl import DataError
 from aligner.data.sft import load_sft_dataset
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
 from aligner.errors import UserError
-from aligner.models.checkpoint import PARALLEL_KEYS, read_metadata
+from aligner.models.checkpoint import PARALLEL_KEYS, load_language_model, read_metadata
 from aligner.models.forward_step import make_forward_step, run_micro_batches, token_reduction
 from aligner.models.gpt import build_gpt
 from aligner.models.logprobs import vocab_parallel_gather, vocab_parallel_logprobs
@@ -124,7 +124,7 @@ class ResidentTeacher:
     step's micro-batches and adds its top-k to each (on the last pipeline stage, where the loss runs)."""
 
     def __init__(self, path, model_cfg, top_k: int):
-        self.model, self.vocab_size = load_teacher(path, **{key: model_cfg[key] for key in PARALLEL_KEYS})
+        self.model, self.vocab_size = load_language_model(path, **{key: model_cfg[key] for key in PARALLEL_KEYS})
         self.forward_step = topk_forward_step(top_k, self.vocab_size)
 
     @torch.no_grad()

@@ -110,19 +110,6 @@ def _rank_main(argv: list[str], initialised: bool = False) -> None:
     rank_main(argv, initialised, teacher_logits_rank)
 
 
-def load_teacher(path, **layout):
-    """(teacher GPTModel in eval mode, vocabulary size): checkpoint `path` built at `layout`'s parallel
-    sizes (dist_checkpointing reshards the weights)."""
-    from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
-    from aligner.models.gpt import build_gpt
-
-    cfg, vocab = model_config_from_checkpoint(path, **layout)
-    model = build_gpt(cfg, vocab)
-    load_weights(path, model)
-    model.eval()
-    return model, vocab
-
-
 def topk_forward_step(k: int, vocab_size: int):
     """A forward-only megatron step whose result per micro-batch (last stage) is {"values", "ids"} [b,
     s_local, k] and "positions" [s_local]: the top-k logits at this rank's positions."""
@@ -159,6 +146,7 @@ def teacher_logits_rank(out_dir, start_chunk, batch_size, *, tp: int, pp: int) -
     from aligner.data.loader import collate
     from aligner.data.sft import load_sft_dataset
     from aligner.data.tokenizer import load_tokenizer
+    from aligner.models.checkpoint import load_language_model
     from aligner.models.forward_step import run_micro_batches
     from aligner.observe.progress import Progress
     from aligner.runtime.seeding import seed_everything
@@ -168,7 +156,7 @@ def teacher_logits_rank(out_dir, start_chunk, batch_size, *, tp: int, pp: int) -
     tokenizer = load_tokenizer(manifest["tokenizer"]["path"])
     samples = load_sft_dataset(d["path"], tokenizer, d["format"], d["max_length"], d["overlong"])
     seed_everything(0)  # megatron's RNG tracker needs a seed; the loaded weights replace the initial values
-    model, vocab = load_teacher(manifest["teacher"]["path"], tensor_model_parallel_size=tp,
+    model, vocab = load_language_model(manifest["teacher"]["path"], tensor_model_parallel_size=tp,
                                 pipeline_model_parallel_size=pp)
     forward_step = topk_forward_step(manifest["top_k"], vocab)
     writer = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0

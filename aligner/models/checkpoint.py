@@ -231,3 +231,15 @@ def model_config_from_checkpoint(path, **parallel):
     meta = read_metadata(path)
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["model"], parallel)
     return cfg, meta["vocab_size"]
+
+
+def load_language_model(path, **layout):
+    """(GPTModel in eval mode, vocabulary size): checkpoint `path` built at `layout`'s parallel sizes
+    (dist_checkpointing reshards the weights), for forward-only use. Seed megatron's RNG first."""
+    from aligner.models.gpt import build_gpt
+
+    cfg, vocab = model_config_from_checkpoint(path, **layout)
+    model = build_gpt(cfg, vocab)
+    load_weights(path, model)
+    model.eval()
+    return model, vocab

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.data.jsonl import read_token_sequences
-from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata, scalar_head_outputs
+from aligner.models.checkpoint import (load_language_model, load_weights, model_config_from_checkpoint, read_metadata,
+                                      scalar_head_outputs)
 from aligner.models.forward_step import collect, head_values, make_forward_step, run_micro_batches
 from aligner.models.gpt import build_gpt
 from aligner.models.heads import attach_scalar_head, last_token_scores
@@ -76,11 +77,8 @@ def _score_main(argv: list[str], initialised: bool = False) -> None:
 
 def score_rank(model_dir, inputs_path, out_path, batch_size="8", *, tp: int, pp: int) -> None:
     """Collective, in a process group set up for (tp, pp)."""
-    cfg, vocab = model_config_from_checkpoint(model_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     seed_everything(0)
-    model = build_gpt(cfg, vocab)
-    load_weights(model_dir, model)
-    model.eval()
+    model, vocab = load_language_model(model_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     sequences = json.loads(Path(inputs_path).read_text())
     results = {i: [] for i, s in enumerate(sequences) if len(s) < 2}
     # longest first, so each batch pads little; output order is restored below
