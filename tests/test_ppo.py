@@ -187,6 +187,30 @@ def test_the_kl_coefficient_adapts(straight):
     assert coefs[0] == 0.02 and len(set(coefs)) > 1  # it moved, from the configured start
 
 
+def test_the_embedded_service_is_configured_from_every_critic_setting():
+    """The overrides the trainer starts its service with compose into `aligner serve critic`'s config with the
+    critic's optimizer (every key: the distributed optimizer was once left out), trainer and layout."""
+    from dataclasses import fields
+
+    from aligner.algorithms.ppo import embedded_overrides
+    from aligner.config import load_config
+    from aligner.config.load import compose_config
+    from aligner.config.schema import OptimConfig
+
+    cfg = load_config("ppo", ["data.train_path=p.jsonl", "tokenizer.path=tok", "reward.checkpoint=rm",
+                              "critic.optim.distributed_optimizer=true", "critic.optim.lr=3e-4",
+                              "critic.optim.adam_beta2=0.99", "critic.launcher.nproc_per_node=2",
+                              "critic.parallel.tensor_model_parallel_size=2", "critic.trainer.micro_batch_size=2"],
+                      world_size=1)
+    serve = compose_config("serve_critic", embedded_overrides(cfg, step=0))
+    for f in fields(OptimConfig):
+        if f.name != "decay_steps":  # the service's own: its trainer.max_steps
+            assert serve.optim[f.name] == cfg.critic.optim[f.name], f.name
+    assert serve.optim.distributed_optimizer is True and serve.optim.lr == 3e-4
+    assert (serve.launcher.nproc_per_node, serve.parallel.tensor_model_parallel_size,
+            serve.trainer.micro_batch_size, serve.checkpoint) == (2, 2, 2, "rm")
+
+
 def test_a_wrong_service_layout_is_refused_before_start(tiny_assets, rl_assets, tmp_path):
     result = run_cli(*ppo_args(tiny_assets, rl_assets, tmp_path / "run", "critic.parallel.tensor_model_parallel_size=3",
                                "critic.launcher.nproc_per_node=3"))

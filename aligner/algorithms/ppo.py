@@ -13,6 +13,7 @@ server) and tells it to load that step. slurm/ppo.sbatch runs both sides as one 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from aligner.algorithms.reference import Reference
 from aligner.algorithms.rl_setup import build_rl_policy
 from aligner.data.tokenizer import load_tokenizer
 from aligner.config import load_resolved
+from aligner.config.schema import OptimConfig
 from aligner.models import checkpoint
 from aligner.models.sdpa_attention import all_fused
 from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
@@ -211,8 +213,8 @@ def embedded_overrides(cfg, step: int) -> list[str]:
     for group, keys in (("parallel", ("tensor_model_parallel_size", "pipeline_model_parallel_size")),
                         ("trainer", ("global_batch_size", "micro_batch_size", "epochs", "max_steps", "loss_clip",
                                      "seed")),
-                        ("optim", ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
-                                   "clip_grad", "warmup_steps", "scheduler"))):
+                        # every optimizer key but decay_steps, which follows the service's own trainer.max_steps
+                        ("optim", tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "decay_steps"))):
         out += [f"{group}.{k}={c[group][k]}" for k in keys]
     return out
 
