@@ -28,6 +28,7 @@ from aligner.rewards import VERIFIERS, sandbox, verify_rows
 from aligner.rewards.code import (ARGV, CodeResult, Limits, code_all_passed, code_reward, extract_program,
                                   parse_tests, run_many, run_tests)
 from aligner.rewards.functions import REWARD_FUNCTIONS
+from aligner.rewards.scoring import RemoteReward  # here, not in a test: the host fixture measures the test's growth
 
 LIMITS = Limits(wall_s=2.0, cpu_s=1.5, memory_mb=256, file_mb=1, disk_mb=16, inodes=512, processes=16,
                 output_bytes=64 << 10)
@@ -322,6 +323,15 @@ def test_verifier_server_code_endpoint_under_concurrent_requests(tmp_path, host)
         for scores in results:
             assert scores.scored.all(), scores.failures
             assert scores.values[:, 0].tolist() == expected
+        # the RL loop's reward.url path: records carry `tests` (as a code prompt file does), not `answer`
+        remote = RemoteReward(f"127.0.0.1:{server.port}", timeout_s=60)
+        try:
+            records = [{"tests": SUM_TESTS}, {"tests": half}, {"tests": json.dumps(SUM_TESTS)}, {"answer": None}]
+            responses = [ADD, ADD, "print(0)", ADD]
+            assert remote.rewards(["p"] * 4, responses, records) == [1.0, 0.5, 0.0, None]
+            assert [code_reward("p", r, **f) for r, f in zip(responses[:2], records)] == [1.0, 0.5]
+        finally:
+            remote.close()
     finally:
         server.terminate()
         server.stop()

@@ -15,14 +15,15 @@ batch is cut into `workers` contiguous chunks. A worker that dies (a crash, the 
 unscored; the next batch gets fresh workers.
 
 The server at `url` is told apart by the model it serves (found at the first batch, polled for up to
-`remote_timeout_s`): a verifier gets the responses and each record's `answer` (a sample without one is
-unscored); a reward model gets prompt + response, as token ids encoded the way reward-model training
-encodes text (`encode_for_reward`) when a `tokenizer` is given (the policy's: the reward model must share
-its vocabulary), else as text, which the server tokenizes with its own. A reward model with several
+`remote_timeout_s`): a verifier gets the responses and each record's `answer`, or else its `tests` (a
+sample with neither is unscored); a reward model gets prompt + response, as token ids encoded the way
+reward-model training encodes text (`encode_for_reward`) when a `tokenizer` is given (the policy's: the
+reward model must share its vocabulary), else as text, which the server tokenizes with its own. A reward model with several
 outputs must merge them on the server (`reward.attribute_weights`).
 """
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import pickle
@@ -53,6 +54,17 @@ def _stop_signal_blocked():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def verifier_reference(record: dict) -> str | None:
+    """What a verifier server checks a response against: the record's `answer`, else its `tests` (JSON text,
+    the code verifiers' input, as `aligner.rewards.code` reads them); None when it has neither."""
+    if record.get("answer") is not None:
+        return str(record["answer"])
+    tests = record.get("tests")
+    if tests is None:
+        return None
+    return tests if isinstance(tests, str) else json.dumps(tests)
 
 
 class RemoteReward:
@@ -96,8 +108,9 @@ class RemoteReward:
                         self.port, self.timeout_s, len(prompts))
             return rewards
         if client.endpoint.model == "verifier":
-            send = [i for i, record in enumerate(fields) if record.get("answer") is not None]
-            future = client.score(texts=[responses[i] for i in send], answers=[str(fields[i]["answer"]) for i in send])
+            references = [verifier_reference(record) for record in fields]
+            send = [i for i, reference in enumerate(references) if reference is not None]
+            future = client.score(texts=[responses[i] for i in send], answers=[references[i] for i in send])
         else:
             send = list(range(len(prompts)))
             texts = [p + r for p, r in zip(prompts, responses)]
