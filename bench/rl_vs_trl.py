@@ -385,36 +385,33 @@ def report(summary: dict, args) -> None:
     rl_ppo.report(summary)
 
 
+def _print_trl_over(bound_s: float, summary: dict, ppo: bool) -> None:
+    """TRL's CPU s/step over `bound_s` for each TRL case of the GRPO family (or of PPO)."""
+    for name, s in summary.items():
+        if name.startswith("trl_") and (s["algorithm"] == "ppo") == ppo:
+            best = s["cpu_step_s"] / bound_s
+            print(f"  {name}: {s['cpu_step_s']:.4f} / {bound_s:.4f} = {best:.2f}x "
+                  f"({'above' if best >= TARGET else 'below'} the {TARGET:g}x target)")
+
+
 def report_floor(floor: dict, summary: dict) -> None:
     sec = floor["seconds"]
     print(f"\nThe floor (matmul_floor): this core's best GEMM rate, measured now: "
           f"{floor['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s; a step's unavoidable matmuls at that rate take "
           f"generate {sec['generate']:.4f} + reference {sec['reference']:.4f} + train {sec['train']:.4f} = "
           f"{floor['step_s']:.4f} s, so no implementation reaches more than TRL / floor:")
-    for name, s in summary.items():
-        if name.startswith("trl_") and s["algorithm"] != "ppo":
-            best = s["cpu_step_s"] / floor["step_s"]
-            print(f"  {name}: {s['cpu_step_s']:.4f} / {floor['step_s']:.4f} = {best:.2f}x "
-                  f"({'above' if best >= TARGET else 'below'} the {TARGET:g}x target)")
+    _print_trl_over(floor["step_s"], summary, ppo=False)
     if bound := floor.get("lean_bound"):
         print(f"The lean bound (bench/rl_lean_bound.py, {bound['threads']} thread(s), CPU s): the baseline's HF policy "
               f"compiled with torch.compile, no framework: train {bound['train_s']:.4f} ({bound['train_s'] / sec['train']:.2f}x "
               f"its floor) + reference {bound['reference_s']:.4f} ({bound['reference_s'] / sec['reference']:.2f}x) + "
               f"generate at its floor {bound['generate_floor_s']:.4f} = {bound['step_s']:.4f} s, so TRL / lean bound:")
-        for name, s in summary.items():
-            if name.startswith("trl_") and s["algorithm"] != "ppo":
-                best = s["cpu_step_s"] / bound["step_s"]
-                print(f"  {name}: {s['cpu_step_s']:.4f} / {bound['step_s']:.4f} = {best:.2f}x "
-                      f"({'above' if best >= TARGET else 'below'} the {TARGET:g}x target)")
+        _print_trl_over(bound["step_s"], summary, ppo=False)
     if any(s["algorithm"] == "ppo" for s in summary.values()):
         ppo = floor["ppo"]
         print(f"PPO's floor (rl_ppo.floor_flops: + a value and a reward forward, the value model's forward and "
               f"backward): {' + '.join(f'{k} {v:.4f}' for k, v in ppo['seconds'].items())} = {ppo['step_s']:.4f} s")
-        for name, s in summary.items():
-            if name.startswith("trl_") and s["algorithm"] == "ppo":
-                best = s["cpu_step_s"] / ppo["step_s"]
-                print(f"  {name}: {s['cpu_step_s']:.4f} / {ppo['step_s']:.4f} = {best:.2f}x "
-                      f"({'above' if best >= TARGET else 'below'} the {TARGET:g}x target)")
+        _print_trl_over(ppo["step_s"], summary, ppo=True)
 
 
 def main() -> None:
