@@ -75,8 +75,8 @@ def measure(policy: str, samples: int, prompt_tokens: int, response_tokens: int,
         return (time.process_time() - start) / n
 
     ref = reference_logprobs(ids)
-    return {"reference_s": timed(lambda: reference_logprobs(ids), steps), "train_s": timed(lambda: train_step(ref), steps),
-            "threads": threads, "torch": torch.__version__}
+    return {"reference_s": timed(lambda: reference_logprobs(ids), steps),
+            "train_s": timed(lambda: train_step(ref), steps), "threads": threads, "torch": torch.__version__}
 
 
 def main() -> None:

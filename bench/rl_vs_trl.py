@@ -402,9 +402,10 @@ def report_floor(floor: dict, summary: dict) -> None:
           f"{floor['step_s']:.4f} s, so no implementation reaches more than TRL / floor:")
     _print_trl_over(floor["step_s"], summary, ppo=False)
     if bound := floor.get("lean_bound"):
-        print(f"The lean bound (bench/rl_lean_bound.py, {bound['threads']} thread(s), CPU s): the baseline's HF policy "
-              f"compiled with torch.compile, no framework: train {bound['train_s']:.4f} ({bound['train_s'] / sec['train']:.2f}x "
-              f"its floor) + reference {bound['reference_s']:.4f} ({bound['reference_s'] / sec['reference']:.2f}x) + "
+        print(f"The lean bound (bench/rl_lean_bound.py, {bound['threads']} thread(s), CPU s): the baseline's HF "
+              f"policy compiled with torch.compile, no framework: train {bound['train_s']:.4f} "
+              f"({bound['train_s'] / sec['train']:.2f}x its floor) + reference {bound['reference_s']:.4f} "
+              f"({bound['reference_s'] / sec['reference']:.2f}x) + "
               f"generate at its floor {bound['generate_floor_s']:.4f} = {bound['step_s']:.4f} s, so TRL / lean bound:")
         _print_trl_over(bound["step_s"], summary, ppo=False)
     if any(s["algorithm"] == "ppo" for s in summary.values()):
@@ -449,9 +450,10 @@ def main() -> None:
     summary = summarize(todo, runs)
     response_tokens = (statistics.median(r["generated_tokens_per_step"] for name in runs for r in runs[name])
                        / (RUN["prompts_per_step"] * RUN["num_generations"]))
-    floor = matmul_floor(paths["art"], args.threads, prompt_tokens(paths["art"]), response_tokens)
+    prompt_length = prompt_tokens(paths["art"])
+    floor = matmul_floor(paths["art"], args.threads, prompt_length, response_tokens)
     if any(s["algorithm"] != "ppo" for s in summary.values()):
-        floor["lean_bound"] = lean_bound(paths["art"], args.threads, prompt_tokens(paths["art"]), response_tokens, floor)
+        floor["lean_bound"] = lean_bound(paths["art"], args.threads, prompt_length, response_tokens, floor)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "run": RUN, "target": TARGET, "floor": floor,
                                                   "cases": {k: list(v[:2]) + [v[2]] for k, v in todo.items()},
                                                   "summary": summary, "results": runs}, indent=1))

@@ -157,7 +157,7 @@ def teacher_logits_rank(out_dir, start_chunk, batch_size, *, tp: int, pp: int) -
     samples = load_sft_dataset(d["path"], tokenizer, d["format"], d["max_length"], d["overlong"])
     seed_everything(0)  # megatron's RNG tracker needs a seed; the loaded weights replace the initial values
     model, vocab = load_language_model(manifest["teacher"]["path"], tensor_model_parallel_size=tp,
-                                pipeline_model_parallel_size=pp)
+                                       pipeline_model_parallel_size=pp)
     forward_step = topk_forward_step(manifest["top_k"], vocab)
     writer = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     chunks = range(int(start_chunk), store.num_chunks(manifest))

@@ -63,7 +63,7 @@ def _collect_write_results_in_process() -> None:
     queue), and an in-process queue does the same job."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", False) is None:
+    if hasattr(filesystem_async, "_results_queue") and filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
 
 

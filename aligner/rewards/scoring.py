@@ -18,8 +18,8 @@ The server at `url` is told apart by the model it serves (found at the first bat
 `remote_timeout_s`): a verifier gets the responses and each record's `answer`, or else its `tests` (a
 sample with neither is unscored); a reward model gets prompt + response, as token ids encoded the way
 reward-model training encodes text (`encode_for_reward`) when a `tokenizer` is given (the policy's: the
-reward model must share its vocabulary), else as text, which the server tokenizes with its own. A reward model with several
-outputs must merge them on the server (`reward.attribute_weights`).
+reward model must share its vocabulary), else as text, which the server tokenizes with its own. A reward
+model with several outputs must merge them on the server (`reward.attribute_weights`).
 """
 from __future__ import annotations
 
