@@ -33,18 +33,17 @@ def test_tiny_example_runs_end_to_end(tmp_path):
     generations = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
     assert len(generations) == 8 and all(g["response_ids"] for g in generations)
     assert "DPO policy, greedy" in result.stdout
-    # PPO from the SFT checkpoint with the example's reward model, served with the critic: the reward model's score
-    # of the greedy held-out responses rises (+0.25 to +0.39 over 3 seeds) with kl/mean <= 0.055. The exact-answer
-    # accuracy rose by +0.027, +0.027 and +0.066: real but within a few prompts of noise, so only "not lower" is
-    # checked (the reward model is the limit: README, "PPO with the critic service").
+    # PPO from the SFT checkpoint with the example's (centred, near-miss) reward model, served with the critic: the
+    # greedy held-out accuracy rose 0.500 -> 0.676 here (README, "PPO with the critic service", has the seeds), the
+    # reward model's score with it, kl/mean <= 0.47. The check leaves room for another CPU's trajectory.
     ppo = read_metrics(tmp_path / "ppo")
     val = [m for m in ppo if "val/reward/mean" in m]
-    print("PPO held-out reward-model score and greedy accuracy at steps 0, 30, 60:",
+    print("PPO held-out reward-model score and greedy accuracy at steps 0, 50, 100:",
           [(round(m["val/reward/mean"], 3), m["val/arithmetic_answer/mean"]) for m in val])
-    assert [m["step"] for m in ppo] == list(range(61)) and [m["step"] for m in val] == [0, 30, 60]
-    assert val[-1]["val/reward/mean"] >= val[0]["val/reward/mean"] + 0.15
-    assert val[-1]["val/arithmetic_answer/mean"] >= val[0]["val/arithmetic_answer/mean"] - 0.02  # a few prompts
-    assert all(m["kl/mean"] < 0.2 for m in ppo[1:])
+    assert [m["step"] for m in ppo] == list(range(101)) and [m["step"] for m in val] == [0, 50, 100]
+    assert val[-1]["val/reward/mean"] >= val[0]["val/reward/mean"] + 0.3
+    assert val[-1]["val/arithmetic_answer/mean"] >= val[0]["val/arithmetic_answer/mean"] + 0.08
+    assert all(m["kl/mean"] < 0.7 for m in ppo[1:])
     assert "PPO: reward-model score and greedy exact-answer accuracy" in result.stdout
     grpo = read_metrics(tmp_path / "grpo")
     accuracy = [m["val/reward/mean"] for m in grpo if "val/reward/mean" in m]

@@ -28,6 +28,39 @@ def test_bradley_terry_hand_computed():
     assert margin_loss.item() == pytest.approx(expected + math.log(1 / (1 + math.exp(-1.0))) - math.log(0.5))
 
 
+def test_centering_term_hand_computed():
+    from aligner.algorithms.reward_model import pair_loss
+
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([1.0, -0.5])
+    plain, _ = pair_loss(chosen, rejected)
+    centred, report = pair_loss(chosen, rejected, center_coef=0.1)
+    assert centred.item() == pytest.approx(plain.item() + 0.1 * (3.0 ** 2 + 0.5 ** 2), rel=1e-6)
+    assert report["loss"].item() == pytest.approx(centred.item())
+    # its gradient pulls both rewards of a pair down by 2c(r_c + r_r), the BT term's not at all
+    chosen.requires_grad_(True)
+    pair_loss(chosen, torch.tensor([-2.0, 0.0]), center_coef=0.5)[0].backward()
+    bt_grad = -torch.sigmoid(-(chosen.detach() - torch.tensor([-2.0, 0.0])))
+    assert torch.allclose(chosen.grad, bt_grad + 2 * 0.5 * (chosen.detach() + torch.tensor([-2.0, 0.0])))
+
+
+def test_synthetic_pairs_are_swapped_twins_of_near_misses():
+    from collections import Counter
+
+    from aligner.data.preference_rm import arithmetic_preferences
+
+    records = arithmetic_preferences(4000, seed=3, max_operand=9, ops="+-*", max_miss=3)
+    assert len(records) == 4000 and records == arithmetic_preferences(4000, seed=3, max_operand=9, ops="+-*",
+                                                                     max_miss=3)
+    chosen, rejected = Counter(r["chosen"] for r in records), Counter(r["rejected"] for r in records)
+    assert chosen == rejected  # no answer is preferred whatever the question
+    for twin_a, twin_b in zip(records[::2], records[1::2]):
+        assert (twin_a["chosen"], twin_a["rejected"]) == (twin_b["rejected"], twin_b["chosen"])
+        assert twin_a["prompt"][0]["content"] != twin_b["prompt"][0]["content"]
+    gaps = Counter(abs(int(r["chosen"]) - int(r["rejected"])) for r in records)
+    assert set(gaps) - {1, 2, 3} and sum(gaps[g] for g in (1, 2, 3)) > 0.98 * len(records)  # 81 = 9*9 has none
+    assert all(int(r["chosen"]) == eval(r["prompt"][0]["content"][8:-1]) for r in records)
+
+
 def test_regression_loss_masks_missing_labels():
     from aligner.algorithms.reward_model import regression_loss
 
@@ -120,13 +153,29 @@ def test_overlong_pairs_are_dropped_or_truncated(tokenizer, tmp_path):
 
 
 # ---- training through the CLI -------------------------------------------------------------------------
+def _far_miss_pairs(n: int, seed: int) -> list[dict]:
+    """Right answer against it moved by 1..10 (kept >= 0): a model trained from scratch learns these in 60
+    steps, helped by the skew (small answers are chosen more often than rejected). The example's twins
+    (`arithmetic_preferences`) remove that skew and need the SFT model's arithmetic."""
+    import random
+
+    from aligner.data.synthetic import arithmetic_problems, chat_messages
+
+    rng = random.Random(seed + 7919)  # the pairs this test was written with
+    records = []
+    for problem in arithmetic_problems(n, seed, max_operand=5, ops="+"):
+        right = int(problem["answer"])
+        wrong = right + rng.choice([d for d in range(-10, 11) if d and right + d >= 0])
+        records.append({"prompt": chat_messages(problem)[:1], "chosen": str(right), "rejected": str(wrong)})
+    return records
+
+
 @pytest.fixture(scope="session")
 def preference_data(tiny_assets):
-    from aligner.data.preference_rm import write_arithmetic_preferences
-
     root = tiny_assets / "preferences"
-    write_arithmetic_preferences(root / "train.jsonl", 2000, seed=1, max_operand=5)
-    write_arithmetic_preferences(root / "val.jsonl", 256, seed=2, max_operand=5)
+    root.mkdir(exist_ok=True)
+    write_jsonl_lines(root / "train.jsonl", _far_miss_pairs(2000, seed=1))
+    write_jsonl_lines(root / "val.jsonl", _far_miss_pairs(256, seed=2))
     return root
 
 
@@ -216,6 +265,17 @@ def test_rm_packed_matches_padded(from_trained_rm, layout):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=2e-4), (key, a[key], b[key])
 
 
+@pytest.mark.parametrize("packing", ["false", "true"])
+def test_centering_term_in_training(from_trained_rm, packing):
+    """rm.center_coef=c adds c * mean((r_chosen + r_rejected)^2) to the first step's loss (same weights,
+    same batch), padded and packed alike, which is at least c * (mean r_chosen + mean r_rejected)^2."""
+    run, reference = from_trained_rm
+    first, plain = run(f"data.packing={packing}", "rm.center_coef=0.5")[0], reference[0]
+    assert first["reward/chosen"] == pytest.approx(plain["reward/chosen"], rel=1e-3, abs=2e-4)
+    added = first["loss"] - plain["loss"]
+    assert added >= 0.5 * (plain["reward/chosen"] + plain["reward/rejected"]) ** 2 * (1 - 1e-3) and added > 1e-3
+
+
 def test_regression_rm_learns_and_rejects_bad_config(tiny_assets, tmp_path):
     from aligner.data.synthetic import arithmetic_problems
 
@@ -239,3 +299,5 @@ def test_regression_rm_learns_and_rejects_bad_config(tiny_assets, tmp_path):
     assert meta["scalar_head"] == {"num_outputs": 2, "attributes": ["value", "parity"], "loss": "regression"}
     bad = run_cli(*args[:-1], "rm.loss=hinge")
     assert bad.returncode == 2 and "rm.loss" in bad.stderr
+    bad = run_cli(*args, "rm.attributes=[value]", "rm.center_coef=0.1")
+    assert bad.returncode == 2 and "rm.center_coef" in bad.stderr and "regression" in bad.stderr

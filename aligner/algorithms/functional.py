@@ -147,6 +147,11 @@ def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Ten
     return -torch.nn.functional.logsigmoid(delta if margins is None else delta - margins)
 
 
+def reward_centering_penalty(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
+    """Per-pair (r_c + r_r)^2: zero when the pair's rewards are centred on 0 (Eisenstein et al. 2023)."""
+    return (chosen_rewards + rejected_rewards).pow(2)
+
+
 def masked_squared_error(predicted: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(predicted - label)^2 where `mask` is 1, exactly 0 elsewhere (an unlabelled attribute may hold
     any placeholder, even NaN). All [batch, attributes] (SteerLM / HelpSteer regression RMs)."""

@@ -15,6 +15,9 @@ samples are packed as plain sequences; the losses, metrics and gradients are the
 Loss conventions (the maths is in `functional`; the trainer divides sums by the global count):
 * `bt`:         -log sigmoid(r_chosen - r_rejected), summed over pairs; count = pairs.
 * `margin_bt`:  -log sigmoid(r_chosen - r_rejected - margin), margin from each record (default 0).
+* `rm.center_coef` c > 0 adds c * (r_chosen + r_rejected)^2 per pair (Eisenstein et al. 2023; TRL's
+  `center_rewards_coefficient`). BT fixes rewards only up to a per-prompt offset; this pins each
+  prompt's offset near 0, so rewards are comparable across prompts and a PPO critic need not learn it.
 * `regression`: squared error over labelled (sample, attribute) entries; count = labelled entries.
 Pair metrics: `accuracy` = fraction of pairs with r_chosen > r_rejected (a tie counts 1/2, so a
 constant model scores chance), `reward/margin` = mean r_chosen - r_rejected, `reward/chosen`,
@@ -42,9 +45,12 @@ from aligner.runtime import distributed
 
 
 # ---- losses and reports ---------------------------------------------------------------------------
-def pair_loss(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor | None = None):
-    """chosen, rejected, margins: [pairs] -> (BT loss sum, report sums)."""
+def pair_loss(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor | None = None,
+              center_coef: float = 0.0):
+    """chosen, rejected, margins: [pairs] -> (BT loss sum (+ the centering term), report sums)."""
     loss = F.bradley_terry_loss(chosen, rejected, margins).sum()
+    if center_coef:
+        loss = loss + center_coef * F.reward_centering_penalty(chosen, rejected).sum()
     delta = (chosen - rejected).detach()
     report = {"loss": loss.detach(), "accuracy": F.preference_accuracy(chosen.detach(), rejected.detach()).sum(),
               "reward/margin": delta.sum(), "reward/chosen": chosen.detach().sum(),
@@ -119,8 +125,8 @@ class PackedRewardObjective(PreferenceAlgorithm):
     outputs over the one masked position are the rewards. `kind`: "pairs", "margin_pairs" or
     "regression" (single sequences packed as they are)."""
 
-    def __init__(self, kind: str, pad_id: int):
-        self.kind, self.pad_id = kind, pad_id
+    def __init__(self, kind: str, pad_id: int, center_coef: float = 0.0):
+        self.kind, self.pad_id, self.center_coef = kind, pad_id, center_coef
 
     def sequences(self, sample) -> list:
         if self.kind == "regression":
@@ -139,29 +145,30 @@ class PackedRewardObjective(PreferenceAlgorithm):
                 batch["margins"] = torch.tensor([s.margin for s in group], dtype=torch.float32)
 
     def loss(self, scores, counts, batch):
-        return score_loss(self.kind)(scores, batch)
+        return score_loss(self.kind, self.center_coef)(scores, batch)
 
 
 # ---- forward step ---------------------------------------------------------------------------------
-def score_loss(kind: str):
+def score_loss(kind: str, center_coef: float = 0.0):
     """(scores [n, k], batch) -> (loss, count, report) for `kind` "pairs" or "margin_pairs" (the first
-    half of the scores are the chosen sequences', the second half the rejected ones') or "regression"."""
+    half of the scores are the chosen sequences', the second half the rejected ones') or "regression";
+    `center_coef`: the pairs' centering term."""
 
     def loss(scores, batch):
         if kind == "regression":
             return regression_loss(scores, batch["attribute_labels"].to(scores), batch["attribute_mask"].to(scores))
         pairs = scores.shape[0] // 2
         margins = batch["margins"].to(scores) if kind == "margin_pairs" else None
-        loss, report = pair_loss(scores[:pairs, 0], scores[pairs:, 0], margins)
+        loss, report = pair_loss(scores[:pairs, 0], scores[pairs:, 0], margins, center_coef)
         return loss, torch.tensor(float(pairs), device=scores.device), report
 
     return loss
 
 
-def make_rm_forward_step(kind: str):
+def make_rm_forward_step(kind: str, center_coef: float = 0.0):
     """The forward step of padded reward-model batches (`PairFormat`, `RegressionFormat`): the rewards
     are the head outputs at each row's last token."""
-    return make_forward_step(head_values, last_token_reduction(score_loss(kind)))
+    return make_forward_step(head_values, last_token_reduction(score_loss(kind, center_coef)))
 
 
 class RewardModelTrainer(Trainer):
@@ -209,7 +216,7 @@ def run(cfg) -> None:
     head_meta = {"num_outputs": num_outputs, "attributes": attributes or None, "loss": loss}
     step_kind = "margin_pairs" if loss == "margin_bt" else kind
     if packed:  # several sequences per row, a pair's prompt computed once: the preference machinery
-        objective = PackedRewardObjective(step_kind, tokenizer.pad_token_id)
+        objective = PackedRewardObjective(step_kind, tokenizer.pad_token_id, rm.center_coef)
         model = attach_scalar_head(build_policy(m, vocab_size), num_outputs)
         model, optimizer, scheduler = wrap_for_training(model, m, cfg.optim)
         step = sequence_loss_step(objective.loss, vocab_size, head_values)
@@ -221,7 +228,7 @@ def run(cfg) -> None:
         model = attach_scalar_head(build_gpt(m, vocab_size), num_outputs)
         model, optimizer, scheduler = wrap_for_training(model, m, cfg.optim)
         batch_format = (RegressionFormat if kind == "regression" else PairFormat)(tokenizer.pad_token_id)
-        trainer = RewardModelTrainer(cfg, model, optimizer, scheduler, make_rm_forward_step(step_kind), train, val,
-                                     batch_format, vocab_size, tokenizer, head_meta=head_meta)
+        trainer = RewardModelTrainer(cfg, model, optimizer, scheduler, make_rm_forward_step(step_kind, rm.center_coef),
+                                     train, val, batch_format, vocab_size, tokenizer, head_meta=head_meta)
     trainer.fit()
     distributed.shutdown()

@@ -213,6 +213,7 @@ class RMLoss(StrEnum):
 class RewardModelConfig:
     loss: RMLoss = RMLoss.bt
     attributes: list[str] = field(default_factory=list)  # regression: one head output per attribute
+    center_coef: float = 0.0  # pairs: + coef * (r_chosen + r_rejected)^2, each prompt's rewards centred on 0
 
 
 @dataclass

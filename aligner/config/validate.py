@@ -90,6 +90,10 @@ def validate(cfg, world_size: int) -> None:
                               "rm.attributes=[helpfulness,correctness]")
         if loss != "regression" and cfg.rm.attributes:
             raise ConfigError(f"rm.attributes is only used by rm.loss=regression (got rm.loss={loss})")
+        if cfg.rm.center_coef < 0:
+            raise ConfigError(f"rm.center_coef must be >= 0 (0 = off), got {cfg.rm.center_coef}")
+        if loss == "regression" and cfg.rm.center_coef:
+            raise ConfigError("rm.center_coef centres the rewards of preference pairs; rm.loss=regression has none")
     if "dpo" in cfg:
         loss, smoothing = cfg.dpo.loss_type, cfg.dpo.label_smoothing
         if smoothing and loss not in ("sigmoid", "robust"):

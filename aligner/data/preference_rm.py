@@ -32,7 +32,7 @@ from pathlib import Path
 
 from aligner.data.jsonl import DataError, LoadStats, TokenizedDataset, json_type, read_jsonl
 from aligner.data.sft import adds_bos, check_chat, render_chat
-from aligner.data.synthetic import arithmetic_problems
+from aligner.data.synthetic import arithmetic_problems, chat_messages
 
 log = logging.getLogger(__name__)
 
@@ -184,20 +184,39 @@ def load_rm_dataset(path: str | Path, tokenizer, kind: str = "pairs", attributes
 
 
 # ---- a synthetic preference task ---------------------------------------------------------------
-def arithmetic_preferences(n: int, seed: int, max_operand: int = 9, ops: str = "+", chat: bool = True) -> list[dict]:
-    """`n` pairs where the chosen response is the right answer to an arithmetic problem and the
-    rejected one a wrong answer (the right one moved by 1..10); deterministic by seed."""
+def arithmetic_preferences(n: int, seed: int, max_operand: int = 9, ops: str = "+", chat: bool = True,
+                           max_miss: int = 10) -> list[dict]:
+    """`n` pairs where the chosen response is the right answer to an arithmetic problem and the rejected
+    one a near miss, built as swapped twins: two problems whose answers differ by 1..`max_miss` give two
+    records, each answer chosen for its own problem and rejected for the other (an answer with no other
+    within `max_miss` is paired with the nearest ones). Every answer is then chosen exactly as often as
+    it is rejected, so a reward model cannot score some answers higher whatever the question.
+    Deterministic by seed."""
     rng = random.Random(seed + 7919)
+    pool = arithmetic_problems(4 * n + 64, seed, max_operand, ops)
+    by_answer: dict[int, list[dict]] = {}
+    for problem in pool:
+        by_answer.setdefault(int(problem["answer"]), []).append(problem)
+
+    if len(by_answer) < 2:
+        raise ValueError(f"twins need two different answers; max_operand={max_operand}, ops={ops!r} give one")
+
+    def record(problem, chosen, rejected):
+        prompt = chat_messages(problem)[:1] if chat else problem["question"]
+        return {"prompt": prompt, "chosen": str(chosen), "rejected": str(rejected)}
+
     records = []
-    for problem in arithmetic_problems(n, seed, max_operand, ops):
+    for problem in pool:
+        if len(records) >= n:
+            break
         right = int(problem["answer"])
-        wrong = right + rng.choice([d for d in range(-10, 11) if d and right + d >= 0])
-        if chat:
-            prompt = [{"role": "user", "content": f"What is {problem['question'][:-1]}?"}]
-        else:
-            prompt = problem["question"]
-        records.append({"prompt": prompt, "chosen": str(right), "rejected": str(wrong)})
-    return records
+        others = [a for a in by_answer if a != right]
+        nearest = min(abs(a - right) for a in others)
+        near = [a for a in others if abs(a - right) <= max(max_miss, nearest)]
+        twin = rng.choice(by_answer[rng.choice(sorted(near))])
+        wrong = int(twin["answer"])
+        records += [record(problem, right, wrong), record(twin, wrong, right)]
+    return records[:n]
 
 
 def write_arithmetic_preferences(path: str | Path, n: int, seed: int, **kwargs) -> Path:

@@ -1,5 +1,5 @@
 """Build the tiny example's inputs with no download: a byte-level BPE tokenizer (vocab 512),
-synthetic arithmetic chat data for SFT, preference pairs (right vs wrong answer) for the reward
+synthetic arithmetic chat data for SFT, preference pairs (right answer vs a near miss) for the reward
 model and DPO, arithmetic prompts with their answers for GRPO, and held-out prompts (rendered with the chat template) for generation.
 
     python examples/tiny/prepare.py --out runs/tiny
@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/tiny")
     parser.add_argument("--train", type=int, default=2000, help="training conversations")
     parser.add_argument("--val", type=int, default=200, help="validation conversations")
+    parser.add_argument("--pairs", type=int, default=8000, help="preference pairs (right answer vs a near miss)")
     parser.add_argument("--max-operand", type=int, default=9, help="largest operand (small enough to learn in minutes)")
     args = parser.parse_args()
     out = Path(args.out)
@@ -27,8 +28,10 @@ def main() -> None:
     build_tiny_tokenizer(corpus(4000, seed=0), out / "tokenizer", vocab_size=512)
     write_sft_chat(out / "sft_train.jsonl", args.train, seed=1, max_operand=args.max_operand)
     write_sft_chat(out / "sft_val.jsonl", args.val, seed=2, max_operand=args.max_operand)
-    write_arithmetic_preferences(out / "pref_train.jsonl", args.train, seed=3, max_operand=args.max_operand, ops="+-*")
-    write_arithmetic_preferences(out / "pref_val.jsonl", args.val, seed=4, max_operand=args.max_operand, ops="+-*")
+    # near misses (off by 1..3) as swapped twins: the reward model must read the question to rank answers
+    for name, n, seed in (("pref_train", args.pairs, 3), ("pref_val", args.val, 4)):
+        write_arithmetic_preferences(out / f"{name}.jsonl", n, seed=seed, max_operand=args.max_operand, ops="+-*",
+                                     max_miss=3)
     write_arithmetic_prompts(out / "rl_train.jsonl", args.train, seed=6, max_operand=args.max_operand)
     # 256 held-out prompts: the accuracy's standard error is about 0.03 (0.06 with 64)
     write_arithmetic_prompts(out / "rl_val.jsonl", 256, seed=7, max_operand=args.max_operand)

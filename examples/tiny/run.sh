@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The built-in tiny example, end to end on a CPU: set up, build tokenizer + data, then
-# SFT -> reward model (from the SFT weights) -> DPO (from the SFT weights) -> generate with the DPO policy,
-# GRPO (from the SFT weights, the `arithmetic` exact-answer reward) with its greedy accuracy before and after,
-# and PPO (from the SFT weights, the reward model served with the critic) with its reward and accuracy before and after.
+# The built-in tiny example, end to end on a CPU: set up, build tokenizer + data, then SFT; from the SFT weights,
+# GRPO (the `arithmetic` exact-answer reward, in the background) alongside reward model -> DPO -> generate with the
+# DPO policy -> PPO (the reward model served with the critic); prints GRPO's greedy accuracy before and after and
+# PPO's reward and accuracy before and after.
 #   bash examples/tiny/run.sh [overrides for every training stage, e.g.
 #                              launcher.nproc_per_node=2 model.tensor_model_parallel_size=2]
 set -euo pipefail
@@ -19,8 +19,21 @@ aligner train sft run_dir=$T/sft data.train_path=$T/sft_train.jsonl data.val_pat
   trainer.max_steps=300 trainer.val_interval=100 trainer.save_interval=100 "${common[@]}"
 SFT=$T/sft/checkpoints/step_000300
 
+# GRPO, in the background on the other core (each rank is one thread) while the reward model, DPO and PPO train:
+# 32 prompts x 8 samples per step, 4 optimizer steps of 64 samples each (so old log-probs are computed); DAPO's
+# dynamic sampling replaces the groups whose 8 answers are all right or all wrong (they teach nothing)
+aligner train grpo run_dir=$T/grpo model.pretrained=$SFT data.train_path=$T/rl_train.jsonl \
+  data.val_path=$T/rl_val.jsonl reward.functions=[arithmetic] trainer.max_steps=150 trainer.val_interval=50 \
+  algorithm.dynamic_sampling.enabled=true \
+  algorithm.prompts_per_step=32 algorithm.num_generations=8 trainer.global_batch_size=64 trainer.micro_batch_size=64 \
+  sampling.max_new_tokens=4 optim.lr=1e-4 optim.min_lr=1e-4 algorithm.kl.coef=0.01 "${common[@]}" > $T/grpo.log 2>&1 &
+grpo=$!
+trap 'kill $grpo 2>/dev/null || true' EXIT
+
+# the reward model: right answers against near misses; centred, so each prompt's rewards sit near 0 (for PPO's critic)
 aligner train rm run_dir=$T/rm model.pretrained=$SFT data.train_path=$T/pref_train.jsonl \
-  data.val_path=$T/pref_val.jsonl trainer.max_steps=800 trainer.val_interval=200 optim.lr=3e-4 optim.min_lr=3e-5 "${common[@]}"
+  data.val_path=$T/pref_val.jsonl trainer.max_steps=1600 trainer.val_interval=400 trainer.global_batch_size=32 \
+  trainer.micro_batch_size=32 optim.lr=3e-4 optim.min_lr=3e-5 rm.center_coef=0.1 "${common[@]}"
 
 aligner train dpo run_dir=$T/dpo model.pretrained=$SFT data.train_path=$T/pref_train.jsonl \
   data.val_path=$T/pref_val.jsonl trainer.max_steps=30 trainer.val_interval=30 optim.lr=5e-4 optim.min_lr=5e-5 "${common[@]}"
@@ -28,23 +41,17 @@ aligner train dpo run_dir=$T/dpo model.pretrained=$SFT data.train_path=$T/pref_t
 aligner generate --model $T/dpo/checkpoints/step_000030 --prompts $T/prompts.jsonl --out $T/generations.jsonl \
   sampling.greedy=true sampling.max_new_tokens=12
 
-# 32 prompts x 8 samples per step, 4 optimizer steps of 64 samples each (so old log-probs are computed); DAPO's
-# dynamic sampling replaces the groups whose 8 answers are all right or all wrong (they teach nothing)
-aligner train grpo run_dir=$T/grpo model.pretrained=$SFT data.train_path=$T/rl_train.jsonl \
-  data.val_path=$T/rl_val.jsonl reward.functions=[arithmetic] trainer.max_steps=150 trainer.val_interval=50 \
-  algorithm.dynamic_sampling.enabled=true \
-  algorithm.prompts_per_step=32 algorithm.num_generations=8 trainer.global_batch_size=64 trainer.micro_batch_size=64 \
-  sampling.max_new_tokens=4 optim.lr=1e-4 optim.min_lr=1e-4 algorithm.kl.coef=0.01 "${common[@]}"
-
 # PPO: the reward model above scores, served with the critic (initialised from it) by the service this run starts;
-# 64 prompts x 1 sample per step, the first 10 steps train only the critic, sampled at temperature 0.7
-aligner train ppo run_dir=$T/ppo model.pretrained=$SFT reward.checkpoint=$T/rm/checkpoints/step_000800 \
+# 256 prompts x 1 sample per step, sampled at temperature 0.7, 2 epochs of 4 optimizer steps of 64; the first 10 steps
+# train only the critic; KL 0.5, under which the reward model's best policy is right more often than the SFT policy
+aligner train ppo run_dir=$T/ppo model.pretrained=$SFT reward.checkpoint=$T/rm/checkpoints/step_001600 \
   data.train_path=$T/rl_train.jsonl data.val_path=$T/rl_val.jsonl reward.val_functions=[arithmetic] \
-  trainer.max_steps=60 trainer.val_interval=30 algorithm.prompts_per_step=64 trainer.global_batch_size=64 \
-  trainer.micro_batch_size=64 critic.trainer.global_batch_size=64 algorithm.critic_warmup_steps=10 \
-  sampling.max_new_tokens=4 sampling.temperature=0.7 optim.lr=1e-5 optim.min_lr=1e-5 algorithm.kl.coef=0.02 \
-  critic.optim.lr=1e-3 critic.optim.min_lr=1e-3 "${common[@]}"
+  trainer.max_steps=100 trainer.val_interval=50 algorithm.prompts_per_step=256 trainer.global_batch_size=64 \
+  trainer.micro_batch_size=64 critic.trainer.global_batch_size=64 critic.trainer.micro_batch_size=64 \
+  algorithm.critic_warmup_steps=10 sampling.max_new_tokens=4 sampling.temperature=0.7 optim.lr=1e-4 optim.min_lr=1e-4 algorithm.kl.coef=0.5 \
+  algorithm.ppo_epochs=2 critic.optim.lr=3e-4 critic.optim.min_lr=3e-4 "${common[@]}"
 
+wait $grpo || { echo "GRPO failed (exit $?): see $T/grpo.log" >&2; exit 1; }
 echo "--- each stage's last step ---"
 python - "$T" <<'PY'
 import json, sys
