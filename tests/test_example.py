@@ -34,8 +34,8 @@ def test_tiny_example_runs_end_to_end(tmp_path):
     assert len(generations) == 8 and all(g["response_ids"] for g in generations)
     assert "DPO policy, greedy" in result.stdout
     # PPO from the SFT checkpoint with the example's (centred, near-miss) reward model, served with the critic: the
-    # greedy held-out accuracy rose 0.500 -> 0.676 here (README, "PPO with the critic service", has the seeds), the
-    # reward model's score with it, kl/mean <= 0.47. The check leaves room for another CPU's trajectory.
+    # greedy held-out accuracy rose 0.500 -> 0.672 here (README, "PPO with the critic service", has the seeds), the
+    # reward model's score with it, kl/mean <= 0.42. The check leaves room for another CPU's trajectory.
     ppo = read_metrics(tmp_path / "ppo")
     val = [m for m in ppo if "val/reward/mean" in m]
     print("PPO held-out reward-model score and greedy accuracy at steps 0, 50, 100:",

@@ -200,6 +200,11 @@ def arithmetic_preferences(n: int, seed: int, max_operand: int = 9, ops: str = "
 
     if len(by_answer) < 2:
         raise ValueError(f"twins need two different answers; max_operand={max_operand}, ops={ops!r} give one")
+    near = {}  # answer -> the other answers within max_miss of it (or its nearest ones), ascending
+    for right in by_answer:
+        gaps = {a: abs(a - right) for a in by_answer if a != right}
+        reach = max(max_miss, min(gaps.values()))
+        near[right] = sorted(a for a, gap in gaps.items() if gap <= reach)
 
     def record(problem, chosen, rejected):
         prompt = chat_messages(problem)[:1] if chat else problem["question"]
@@ -210,10 +215,7 @@ def arithmetic_preferences(n: int, seed: int, max_operand: int = 9, ops: str = "
         if len(records) >= n:
             break
         right = int(problem["answer"])
-        others = [a for a in by_answer if a != right]
-        nearest = min(abs(a - right) for a in others)
-        near = [a for a in others if abs(a - right) <= max(max_miss, nearest)]
-        twin = rng.choice(by_answer[rng.choice(sorted(near))])
+        twin = rng.choice(by_answer[rng.choice(near[right])])
         wrong = int(twin["answer"])
         records += [record(problem, right, wrong), record(twin, wrong, right)]
     return records[:n]

@@ -48,8 +48,8 @@ aligner train ppo run_dir=$T/ppo model.pretrained=$SFT reward.checkpoint=$T/rm/c
   data.train_path=$T/rl_train.jsonl data.val_path=$T/rl_val.jsonl reward.val_functions=[arithmetic] \
   trainer.max_steps=100 trainer.val_interval=50 algorithm.prompts_per_step=256 trainer.global_batch_size=64 \
   trainer.micro_batch_size=64 critic.trainer.global_batch_size=64 critic.trainer.micro_batch_size=64 \
-  algorithm.critic_warmup_steps=10 sampling.max_new_tokens=4 sampling.temperature=0.7 optim.lr=1e-4 optim.min_lr=1e-4 algorithm.kl.coef=0.5 \
-  algorithm.ppo_epochs=2 critic.optim.lr=3e-4 critic.optim.min_lr=3e-4 "${common[@]}"
+  algorithm.critic_warmup_steps=10 sampling.max_new_tokens=4 sampling.temperature=0.7 optim.lr=1e-4 optim.min_lr=1e-4 \
+  algorithm.kl.coef=0.5 algorithm.ppo_epochs=2 critic.optim.lr=3e-4 critic.optim.min_lr=3e-4 "${common[@]}"
 
 wait $grpo || { echo "GRPO failed (exit $?): see $T/grpo.log" >&2; exit 1; }
 echo "--- each stage's last step ---"
