@@ -34,7 +34,8 @@ The configuration (TRL's PPOConfig in bench_ppo.py -> aligner):
 
 What still differs (the work a step does is the same unless said):
   * Old log-probs: TRL takes them from generate's output scores (output_scores=True, no forward of its own);
-    aligner runs an old-log-prob forward of the policy (timing/logprobs_s): one policy forward more per step.
+    so does aligner here (algorithm.old_logprobs=engine: the engine's sampling log-probs, no old-log-prob
+    forward). aligner's default (trainer) runs that forward, one policy forward more per step.
   * One optimizer or two: TRL trains policy and value model as one module (PolicyAndValueWrapper), one AdamW
     on loss = pg_loss + vf_coef 0.1 x vf_loss with one grad-norm clip over both; aligner's critic has its own
     AdamW and clip in the service (lr 1e-5 here) and no vf_coef (Adam's update is invariant to a constant
@@ -139,7 +140,8 @@ def overrides(paths: dict, out: Path, run_dir: Path, steps: int, threads: int) -
             "algorithm.advantage=gae", f"algorithm.prompts_per_step={RUN['prompts_per_step']}",
             f"algorithm.num_generations={RUN['num_generations']}", f"algorithm.kl.coef={RUN['kl_coef']}",
             "algorithm.kl.estimator=k1", "algorithm.kl.mode=reward", f"algorithm.clip_low={RUN['clip_eps']}",
-            "algorithm.aggregation=token_mean", "algorithm.ppo_epochs=1", f"algorithm.gamma={RUN['gamma']}",
+            "algorithm.aggregation=token_mean", "algorithm.ppo_epochs=1", "algorithm.old_logprobs=engine",
+            f"algorithm.gamma={RUN['gamma']}",
             f"algorithm.lam={RUN['lam']}", "algorithm.whiten_advantages=true",
             f"sampling.max_new_tokens={RUN['max_new_tokens']}", f"sampling.temperature={RUN['temperature']}",
             f"sampling.top_p={RUN['top_p']}", f"sampling.top_k={RUN['top_k']}",

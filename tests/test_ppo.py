@@ -187,6 +187,21 @@ def test_the_kl_coefficient_adapts(straight):
     assert coefs[0] == 0.02 and len(set(coefs)) > 1  # it moved, from the configured start
 
 
+def test_old_log_probs_from_the_engine_give_the_first_step_of_the_trainers_forward(tiny_assets, rl_assets, straight,
+                                                                                   tmp_path):
+    """algorithm.old_logprobs=engine (TRL's way: no old-log-prob forward) on the fp32 CPU engine, whose
+    log-probs equal the trainer's to float rounding: the first step's samples are the same, and its KL, loss
+    and critic figures equal the trainer-forward run's to rounding."""
+    steps = ("trainer.max_steps=1", "trainer.save_interval=0", "algorithm.kl.target=0.05", "algorithm.kl.horizon=100")
+    engine = ppo(tiny_assets, rl_assets, tmp_path / "run", *steps, "algorithm.old_logprobs=engine")
+    first = straight[0]
+    assert engine[0]["reward/mean"] == first["reward/mean"]
+    assert engine[0]["response_length/mean"] == first["response_length/mean"]
+    for key in ("kl/mean", "loss", "advantages/std", "value/loss", "returns/mean", "grad_norm"):
+        assert engine[0][key] == pytest.approx(first[key], rel=1e-4, abs=1e-6), key
+    assert engine[0]["timing/logprobs_s"] < 0.1 * first["timing/logprobs_s"]  # no forward at all
+
+
 def test_the_embedded_service_is_configured_from_every_critic_setting():
     """The overrides the trainer starts its service with compose into `aligner serve critic`'s config with the
     critic's optimizer (every key: the distributed optimizer was once left out), trainer and layout."""

@@ -130,4 +130,7 @@ def test_bad_inputs_fail_before_launch(tiny_assets, rl_assets, tmp_path):
     result = run_cli(*grpo_args(tiny_assets, rl_assets, tmp_path / "run", "model.context_parallel_size=2",
                                 "launcher.nproc_per_node=2"))
     assert result.returncode == 2 and "context parallel" in result.stderr
+    result = run_cli(*grpo_args(tiny_assets, rl_assets, tmp_path / "run", "algorithm.old_logprobs=engine",
+                                "algorithm.importance_sampling.level=token"))
+    assert result.returncode == 2 and "algorithm.old_logprobs=engine" in result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -1,4 +1,5 @@
 """The RL loss's layout and terms against direct per-sample computations (no model)."""
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -6,7 +7,9 @@ import torch
 from omegaconf import OmegaConf
 
 from aligner.algorithms import functional as F
-from aligner.algorithms.rl_loss import PolicyLoss, response_values, rl_micro_batches
+from aligner.algorithms.rl_loss import (PolicyLoss, response_values, rl_micro_batches, token_logprob_values,
+                                       token_values)
+from aligner.generation.types import SamplingParams
 from aligner.algorithms.rl_samples import Sample
 from aligner.config.rl_schema import RLAlgorithmConfig
 
@@ -57,3 +60,31 @@ def test_policy_loss_term_sums_match_direct_maths():
     assert torch.allclose(loss / count, expected)
     assert torch.isclose(report["tokens"], torch.tensor(7.0))
     assert torch.isclose(report["entropy"], torch.tensor(14.0))
+
+
+def test_the_forward_only_values_are_the_log_probs_of_the_update_values():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, 11), torch.randint(0, 9, (2, 5))
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9, max_new_tokens=4)
+    update = token_values(9, params, entropy_grad=False)(logits, {"labels": labels})
+    forward_only = token_logprob_values(9, params)(logits, {"labels": labels})
+    assert forward_only.shape == (2, 5, 1) and torch.equal(forward_only[..., 0], update[..., 0])
+
+
+@pytest.mark.parametrize("source", ["trainer", "engine"])
+def test_the_mismatch_metrics_compare_the_trainers_rollout_log_probs_with_the_engines(source):
+    """old_logprobs=trainer: the old log-probs are the trainer's forward before the update; engine: they are
+    the engine's, and the update's own forward (the rollout policy on the first pass) is compared instead."""
+    group = samples()
+    (batch,), _ = rl_micro_batches([group], pad_id=0, packing={"packed": False, "capacity": None, "flat": False},
+                                   multiple=1)
+    m = batch["response_mask"]
+    logprobs = batch["engine_logprobs"] - 0.2 * m  # the trainer's, each 0.2 below the engine's
+    batch["old_logprobs"] = logprobs - 0.1 * m if source == "trainer" else batch["engine_logprobs"]
+    a = OmegaConf.structured(RLAlgorithmConfig)
+    a.old_logprobs = source
+    per_position = torch.zeros(*batch["tokens"].shape, 2)
+    per_position[batch["loss_mask"] > 0, 0] = logprobs[m > 0]
+    _, _, report = PolicyLoss(a, max_new_tokens=4)(per_position, batch, batch)
+    gap = 0.3 if source == "trainer" else 0.2  # mean exp|log p - log q| over the 7 response tokens, summed
+    assert torch.isclose(report["token_prob_error"], torch.tensor(7 * math.exp(gap)))

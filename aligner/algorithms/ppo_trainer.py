@@ -64,7 +64,7 @@ class PPOTrainer(RLTrainer):
         samples, pending = self.rollouts_with_requests(timings)
         micro, length, mine = self.micro_batches(samples)
         with timings("logprobs"):
-            attach(micro, "old_logprobs", self.token_logprobs(self.model, micro, length))
+            self.attach_old_logprobs(micro, length)
         with timings("reference"):
             if self.reference is not None:
                 attach(micro, "ref_logprobs", self.reference_logprobs(micro, length))

@@ -70,6 +70,17 @@ def token_values(vocab_size: int, params: SamplingParams, entropy_grad: bool):
     return values
 
 
+def token_logprob_values(vocab_size: int, params: SamplingParams):
+    """PositionValues of a forward-only log-prob pass: [..., 1] = log q(label), as `token_values`
+    without the entropy, which only the update reports (over the vocabulary it costs as much as the
+    log-probs)."""
+    def values(logits, local):
+        q_logits = filtered_local_logits(logits, params, vocab_size)
+        return vocab_parallel_logprobs(q_logits, local["labels"], vocab_size).unsqueeze(-1)
+
+    return values
+
+
 def logprobs_output(values: torch.Tensor, local: dict, batch: dict) -> torch.Tensor:
     """A forward-only pass's output: per-response-token log-probs [n, T] (`forward_step.collect`)."""
     return response_values(values[..., 0], batch)
@@ -91,6 +102,9 @@ class PolicyLoss:
         logprobs, entropy = response_values(values[..., 0], batch), response_values(values[..., 1], batch)
         old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
         engine = batch["engine_logprobs"]
+        # the trainer's log-probs of the rollout policy against the engine's: with old_logprobs=engine the
+        # old ones are the engine's, and the update's own forward is the rollout policy's on its first pass
+        trainer = logprobs.detach() if a.old_logprobs == "engine" else old
         weights = None
         if a.importance_sampling.level != "none":
             weights = mismatch.truncated_is_weights(old, engine, mask, str(a.importance_sampling.level),
@@ -100,8 +114,8 @@ class PolicyLoss:
         tokens = mask.sum()
         report = {"tokens": tokens, "entropy": masked_sum(entropy.detach(), mask),
                   "clip_fraction": stats["clip_fraction"] * tokens, "approx_kl": stats["approx_kl"] * tokens,
-                  "token_prob_error": mismatch.token_prob_error(old, engine, mask) * tokens,
-                  "mismatch_kl": mismatch.kl(old, engine, mask) * tokens}
+                  "token_prob_error": mismatch.token_prob_error(trainer, engine, mask) * tokens,
+                  "mismatch_kl": mismatch.kl(trainer, engine, mask) * tokens}
         if "ref_logprobs" in batch:
             kl = kl_penalty(logprobs, batch["ref_logprobs"], str(a.kl.estimator))
             report["kl"] = masked_sum(kl.detach(), mask)

@@ -30,7 +30,8 @@ from megatron.core import parallel_state as ps
 from aligner.algorithms import rl_samples
 from aligner.algorithms.functional import kl_penalty
 from aligner.algorithms.preference_trainer import attach
-from aligner.algorithms.rl_loss import PolicyLoss, logprobs_output, rl_micro_batches, token_values
+from aligner.algorithms.rl_loss import (PolicyLoss, logprobs_output, rl_micro_batches, token_logprob_values,
+                                       token_values)
 from aligner.algorithms.rl_samples import Sample
 from aligner.algorithms.sequence_logprobs import collected
 from aligner.algorithms.trainer import Trainer
@@ -73,12 +74,12 @@ class RLTrainer(Trainer):
                                      seed=cfg.trainer.seed)
         values = token_values(vocab_size, self.params, entropy_grad=bool(a.entropy_coef))
         self.loss_step = make_forward_step(values, PolicyLoss(a, s.max_new_tokens))
-        self.logprob_step = make_forward_step(token_values(vocab_size, self.params, False), collect(logprobs_output))
+        self.logprob_step = make_forward_step(token_logprob_values(vocab_size, self.params), collect(logprobs_output))
         # The reference scores under its whole tempered distribution: truncated by top-k/top-p it would give a
         # token the policy learned to sample, outside the reference's own top-k, probability 0 (infinite KL).
         full = self.params.replace(top_k=0, top_p=1.0)
         self.reference_step = self.logprob_step if full == self.params else \
-            make_forward_step(token_values(vocab_size, full, False), collect(logprobs_output))
+            make_forward_step(token_logprob_values(vocab_size, full), collect(logprobs_output))
         updates = a.ppo_epochs * a.prompts_per_step * a.num_generations // cfg.trainer.global_batch_size
         self.needs_old_logprobs = updates > 1 or (reference is not None and a.kl.mode == "reward")
         self.kl_coef = a.kl.coef
@@ -99,8 +100,7 @@ class RLTrainer(Trainer):
         samples, pending, dropped, seen = self.rollouts(timings)
         micro, length, mine = self.micro_batches(samples)
         with timings("logprobs"):
-            if self.needs_old_logprobs:
-                attach(micro, "old_logprobs", self.token_logprobs(self.model, micro, length))
+            self.attach_old_logprobs(micro, length)
         with timings("reference"):
             if self.reference is not None:
                 attach(micro, "ref_logprobs", self.reference_logprobs(micro, length))
@@ -215,6 +215,16 @@ class RLTrainer(Trainer):
         micro, length = rl_micro_batches(self.groups_of(mine), self.tokenizer.pad_token_id, self.packing,
                                          self.length_multiple)
         return micro, length, mine
+
+    def attach_old_logprobs(self, micro: list[dict], length: int) -> None:
+        """The rollout policy's log-probs as each micro-batch's `old_logprobs`, where the ratio or the KL in
+        the reward needs them: the trainer's forward (`algorithm.old_logprobs=trainer`), or the engine's
+        own from sampling (`engine`, as TRL's PPO: one policy forward less, at the price of the engine's
+        numerical mismatch, which the mismatch/* metrics report)."""
+        if self.a.old_logprobs == "engine":
+            attach(micro, "old_logprobs", [batch["engine_logprobs"] for batch in micro])
+        elif self.needs_old_logprobs:
+            attach(micro, "old_logprobs", self.token_logprobs(self.model, micro, length))
 
     def token_logprobs(self, model, micro: list[dict], length: int) -> list[torch.Tensor]:
         """Per-response-token log-probs [n, T] of each micro-batch (last pipeline stage; [] elsewhere)."""

@@ -68,6 +68,11 @@ class ImportanceLevel(StrEnum):
     sequence = "sequence"
 
 
+class OldLogprobs(StrEnum):
+    trainer = "trainer"  # a forward of the policy before the update (NeMo-Aligner, veRL, OpenRLHF)
+    engine = "engine"  # the engine's own from sampling (TRL's PPO): one policy forward less a step
+
+
 class DecodeMode(StrEnum):
     auto = "auto"
     lean = "lean"
@@ -125,6 +130,7 @@ class RLAlgorithmConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     ppo_epochs: int = 1  # passes over a step's samples; each pass has one optimizer step per trainer.global_batch_size
+    old_logprobs: OldLogprobs = OldLogprobs.trainer  # the rollout policy's log-probs of the ratio and the KL reward
     log_rollouts: int = 4  # (prompt, response, reward) rows per step in <run_dir>/rollouts/step_<N>.jsonl
 
 

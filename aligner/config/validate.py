@@ -168,6 +168,10 @@ def validate_rl(cfg, dp: int) -> None:
                           f"dual_clip x |A|), got {a.dual_clip}")
     if a.importance_sampling.cap <= 0:
         raise ConfigError("algorithm.importance_sampling.cap must be > 0")
+    if a.old_logprobs == "engine" and a.importance_sampling.level != "none":
+        raise ConfigError(f"algorithm.importance_sampling.level={a.importance_sampling.level} weighs the trainer's "
+                          f"log-probs against the engine's, but algorithm.old_logprobs=engine uses the engine's as "
+                          f"the trainer's (every weight would be 1): set algorithm.old_logprobs=trainer")
     if a.dynamic_sampling.max_refills < 0:
         raise ConfigError("algorithm.dynamic_sampling.max_refills must be >= 0")
     if not 0 <= a.overlong.buffer < s.max_new_tokens:
