@@ -4,6 +4,7 @@ DPO loss, SFT loss and gradients as padded ones (one process)."""
 import pytest
 import torch
 
+from aligner.data import packing
 from aligner.data.packing import build_micro_batches, first_fit_decreasing, tree_attention_mask
 from tests.conftest import build_single_process_gpt
 
@@ -75,7 +76,6 @@ def test_flat_layout_puts_bins_one_after_another():
 
 
 def test_attention_blocks_split_bins_into_unit_runs(monkeypatch):
-    from aligner.data import packing
 
     monkeypatch.setattr(packing, "MIN_ATTENTION_BLOCK", 64)
     # bin 1: 100 | 30 + 40 (a run closes at >= 64 positions); bin 2: 50 (closed by the bin's end); padding
@@ -144,7 +144,6 @@ def _loss_and_grads(model, step_loss, micro):
 def test_packed_equals_padded(model, algorithm, flat, unit_blocks, monkeypatch):
     from aligner.algorithms.preference_losses import DPO
     from aligner.config.schema import DPOConfig
-    from aligner.data import packing
     from omegaconf import OmegaConf
 
     if unit_blocks:  # every sequence or pair tree is attended on its own, not its whole bin
@@ -247,3 +246,43 @@ def test_packed_reward_model_equals_padded(model, kind):  # `model`: the process
             assert b[key].item() == pytest.approx(a[key].item(), rel=1e-5, abs=1e-5), key
     for name, grad in padded[1].items():
         assert (packed[1][name] - grad).abs().max().item() < 1e-5 * max(1.0, grad.abs().max().item()), name
+
+
+def test_a_flat_rows_one_sequence_blocks_are_attended_together_as_each_alone(monkeypatch):
+    """Blocks of one sequence are causal: FusedCoreAttention pads those of similar size into a few batched
+    calls; each position's output equals its block attended alone, and a pair tree's block keeps its mask."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from aligner.models.sdpa_attention import BlockDiagonalMask, FusedCoreAttention
+
+    monkeypatch.setattr(packing, "MIN_ATTENTION_BLOCK", 1)  # a block per unit: RL's short samples
+    g = torch.Generator().manual_seed(3)
+    sizes = [20, 3, 18, 7, 5, 16, 19]
+    sequences = [(torch.randint(3, 300, (n,), generator=g).tolist(), [1] * n) for n in sizes]
+    pair = _sequences(2, seed=4)
+    (single,), _ = build_micro_batches([sequences], 0, packed=True, flat=True)
+    (tree,), _ = build_micro_batches([pair], 0, packed=True, pairs=True, flat=True)
+    segments = torch.cat([single["segments"], tree["segments"] + single["segments"].max() + 1], 1)
+    parents = torch.cat([single["parents"], torch.where(tree["parents"] >= 0,
+                                                        tree["parents"] + single["segments"].max() + 1, -1)], 1)
+    bounds = single["blocks"] + [b + single["blocks"][-1] for b in tree["blocks"][1:]]
+    mask = BlockDiagonalMask.from_tree(segments, parents, bounds)
+    assert [m is None for m in mask.allowed] == [True] * len(sizes) + [False] * (len(tree["blocks"]) - 1)
+    groups, _ = mask.causal_groups()
+    # a sequence of n tokens is n - 1 positions; groups are within 4/3 of their longest: 19 18 17 15 | 6 | 4 | 2
+    assert [tuple(g_.shape) for g_, _ in groups] == [(4, 19), (1, 6), (1, 4), (1, 2)]
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, kv_channels=16)
+    core = FusedCoreAttention(config)
+    length = bounds[-1]
+    q, k, v = (torch.randn(length, 1, 4, 16, generator=g, requires_grad=True) for _ in range(3))
+    out = core(q, k, v, mask)
+    alone = torch.cat([core._attend(q[a:e], k[a:e], v[a:e], allowed)
+                       for (a, e), allowed in zip(zip(bounds, bounds[1:]), mask.allowed)])
+    assert out.shape == (length, 1, 64)
+    assert torch.allclose(out, alone, atol=1e-6)
+    weights = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected = torch.autograd.grad((alone * weights).sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got, want, atol=1e-6)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -31,17 +31,53 @@ from aligner.data.packing import tree_attention_mask
 class BlockDiagonalMask:
     """Attention inside consecutive blocks of a row: block i is positions bounds[i]..bounds[i+1]-1
     with its own bool mask allowed[i] [b, 1, n_i, n_i] (True where attention IS allowed, torch's
-    convention, unlike megatron's masks); no position attends outside its block. Passed through
-    megatron as the `attention_mask`."""
+    convention, unlike megatron's masks), or None when the block is one sequence (plain causal
+    attention); no position attends outside its block. Passed through megatron as the
+    `attention_mask`.
+
+    The causal blocks are attended together, a few kernel calls instead of one per block (RL's
+    micro-batches are dozens of short samples, one block each): `causal_groups` pads blocks of similar
+    size at their end to the group's longest. Causality keeps a block's real queries off its padding
+    keys, so the padding changes nothing but the work of the padded queries, whose outputs are dropped."""
 
     bounds: list[int]
-    allowed: list[torch.Tensor]
+    allowed: list[torch.Tensor | None]
+    _plan: tuple | None = field(default=None, repr=False)
 
     @classmethod
     def from_tree(cls, segments: torch.Tensor, parents: torch.Tensor, bounds: list[int]) -> "BlockDiagonalMask":
-        """Each block's `tree_attention_mask` (block ids as in `aligner.data.packing`)."""
-        return cls(list(bounds), [~tree_attention_mask(segments[:, a:e], parents[:, a:e])
+        """Each block's `tree_attention_mask` (block ids as in `aligner.data.packing`), None for a block
+        of one segment (the whole row's segment changes are found in one pass)."""
+        changes = (segments[:, 1:] != segments[:, :-1]).any(0).nonzero().flatten().add(1).tolist()
+
+        def one_segment(start, end):  # no segment change in start + 1 .. end - 1
+            i = bisect.bisect_right(changes, start)
+            return i == len(changes) or changes[i] >= end
+
+        return cls(list(bounds), [None if one_segment(a, e) else ~tree_attention_mask(segments[:, a:e], parents[:, a:e])
                                   for a, e in zip(bounds, bounds[1:])])
+
+    def causal_groups(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """([(gather [m, L] row positions, real [m * L] bool) per group of causal blocks], the row positions
+        those groups' real outputs come in). A group's blocks are within 4/3 of its longest, so padding at
+        most about doubles a group's attention work; its padded slots repeat each block's last position."""
+        if self._plan is None:
+            blocks = sorted(((e - a, a) for (a, e), mask in zip(zip(self.bounds, self.bounds[1:]), self.allowed)
+                             if mask is None), reverse=True)
+            groups, order = [], []
+            while blocks:
+                longest = blocks[0][0]
+                size = next((i for i, (n, _) in enumerate(blocks) if 4 * n < 3 * longest), len(blocks))
+                members, blocks = blocks[:size], blocks[size:]
+                steps = torch.arange(longest)
+                starts = torch.tensor([a for _, a in members])
+                sizes = torch.tensor([n for n, _ in members])
+                gather = starts[:, None] + torch.minimum(steps[None, :], sizes[:, None] - 1)
+                real = (steps[None, :] < sizes[:, None]).flatten()
+                groups.append((gather, real))
+                order.append(gather.flatten()[real])
+            self._plan = (groups, torch.cat(order) if order else torch.zeros(0, dtype=torch.long))
+        return self._plan
 
 
 class FusedCoreAttention(MegatronModule):
@@ -66,8 +102,30 @@ class FusedCoreAttention(MegatronModule):
             blocks = zip(*(x.split(sizes) for x in (query, key, value)), attention_mask.allowed)
             if self.read_rows is not None and query.shape[1] == 1:
                 return self._attend_read_rows(blocks, bounds)
-            return torch.cat([self._attend(q, k, v, allowed) for q, k, v, allowed in blocks])
+            if all(allowed is not None for allowed in attention_mask.allowed):
+                return torch.cat([self._attend(q, k, v, allowed) for q, k, v, allowed in blocks])
+            return self._attend_blocks(query, key, value, attention_mask, blocks, bounds)
         return self._attend(query, key, value, None if attention_mask is None else ~attention_mask)
+
+    def _attend_blocks(self, query, key, value, mask: BlockDiagonalMask, blocks, bounds):
+        """A flat row's attention: its causal blocks in `causal_groups`' batched calls, the others one by
+        one; the outputs put back in row order."""
+        groups, positions = mask.causal_groups()
+        s, b, heads, dim = query.shape
+        outputs = []
+        for gather, real in groups:
+            m, longest = gather.shape
+            index = gather.flatten().to(query.device)
+            # [m * L, b, ...] -> [L, m * b, ...]: each block a batch row of its own
+            q, k, v = (x.index_select(0, index).view(m, longest, b, *x.shape[2:]).transpose(0, 1)
+                       .reshape(longest, m * b, *x.shape[2:]) for x in (query, key, value))
+            out = self._attend(q, k, v, None).view(longest, m, b, heads * dim).transpose(0, 1)
+            outputs.append(out.reshape(m * longest, b, heads * dim)[real.to(query.device)])
+        for (q, k, v, allowed), start, end in zip(blocks, bounds, bounds[1:]):
+            if allowed is not None:
+                outputs.append(self._attend(q, k, v, allowed))
+                positions = torch.cat([positions, torch.arange(start, end)])
+        return torch.cat(outputs).index_select(0, positions.argsort().to(query.device))
 
     def _attend_read_rows(self, blocks, bounds):
         """The flat row's attention at the positions `read_rows` only -> [len(read_rows), 1, heads * d]."""
@@ -76,6 +134,8 @@ class FusedCoreAttention(MegatronModule):
             mine = rows[bisect.bisect_left(rows, start):bisect.bisect_left(rows, end)]
             mine = torch.tensor(mine, device=q.device) - start
             if mine.numel():
+                if allowed is None:  # a causal block: key j is allowed to query i when j <= i
+                    allowed = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).tril()[None, None]
                 outputs.append(self._attend(q.index_select(0, mine), k, v, allowed[:, :, mine]))
         if not outputs:
             return q.new_zeros(0, 1, q.shape[2] * q.shape[3])
