@@ -195,14 +195,20 @@ def _run_on_rows(batch: dict, model) -> tuple[torch.Tensor, dict]:
     else:
         positions, local = torch.arange(tokens.shape[1], device=tokens.device), dict(batch)
     local["position_ids"] = positions.unsqueeze(0).expand(tokens.shape[0], -1)
-    return model(local["tokens"], local["position_ids"], None), local
+    with _no_literals(model, cp):
+        return model(local["tokens"], local["position_ids"], None), local
+
+
+def _no_literals(model, cp: int):
+    """With torch's fused attention in every layer and no CP the forward passes no CUDA literals: bypass
+    the CPU shims' per-op rewriting. megatron's own attention builds its causal mask on "cuda", and with
+    CP its rotary code pins memory (P8)."""
+    return cpu_shims.without_literal_rewrites() if cp == 1 and all_fused(unwrap(model)) else contextlib.nullcontext()
 
 
 def _run_on_sequences(batch: dict, model) -> tuple[torch.Tensor, dict]:
     cp = ps.get_context_parallel_world_size()
-    # With torch's fused attention in every layer and no CP the forward passes no CUDA literals; megatron's
-    # own attention builds its causal mask on "cuda", and with CP its rotary code pins memory (P8).
-    with cpu_shims.without_literal_rewrites() if cp == 1 and all_fused(unwrap(model)) else contextlib.nullcontext():
+    with _no_literals(model, cp):
         positions = None
         if cp > 1:
             positions = positions_on_rank(batch["tokens"].shape[1], cp, ps.get_context_parallel_rank())

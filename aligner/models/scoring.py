@@ -33,6 +33,7 @@ from aligner.models.gpt import build_gpt
 from aligner.models.heads import attach_scalar_head, last_token_scores
 from aligner.models.hf_convert import rank_main, run_ranks, single_process
 from aligner.models.logprobs import vocab_parallel_logprobs
+from aligner.models.sdpa_attention import use_fused_attention
 from aligner.runtime.distributed import device
 from aligner.runtime.seeding import seed_everything
 
@@ -120,7 +121,9 @@ def build_scalar_model(checkpoint, parallel, num_outputs: int):
     if parallel.params_dtype:
         layout["params_dtype"] = parallel.params_dtype
     cfg, vocab = model_config_from_checkpoint(checkpoint, **layout)
-    return attach_scalar_head(build_gpt(cfg, vocab), num_outputs), cfg, vocab
+    gpt = build_gpt(cfg, vocab)
+    use_fused_attention(gpt)  # rows are right-padded and causal: torch's fused kernel, not megatron's [s, s] scores
+    return attach_scalar_head(gpt, num_outputs), cfg, vocab
 
 
 def token_values_head(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
