@@ -5,7 +5,8 @@ one-rank path that `vocab_parallel_logprobs` takes without TP."""
 import pytest
 import torch
 
-from aligner.models.logprobs import _VocabParallelLogProbs, vocab_parallel_entropy, vocab_parallel_logprobs
+from aligner.models.logprobs import (_VocabParallelLogProbs, vocab_parallel_entropy, vocab_parallel_logprobs,
+                                    vocab_parallel_logprobs_and_entropy)
 
 
 def _case(vocab=37, padded=40, shape=(3, 5), seed=0):
@@ -43,3 +44,21 @@ def test_uniform_logits_hand_computed():
     logits = torch.zeros(1, 1, 8)
     assert torch.allclose(vocab_parallel_logprobs(logits, torch.tensor([[3]]), 4), torch.tensor([[-torch.log(torch.tensor(4.0))]]))
     assert torch.allclose(vocab_parallel_entropy(logits, 4), torch.log(torch.tensor([[4.0]])))
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_logprobs_and_entropy_together_equal_each_alone(entropy_grad):
+    """One log-softmax for both (no entropy gradient), or the two functions: the same numbers, with
+    filtered (-inf) columns, which have no entropy, and padding columns."""
+    logits, target = _case(seed=2)
+    filtered = logits.detach().clone()
+    filtered[..., 30:37] = float("-inf")  # top-k filtered columns
+    filtered.requires_grad_()
+    target = target.clamp(max=29)
+    logprobs, entropy = vocab_parallel_logprobs_and_entropy(filtered, target, 37, entropy_grad)
+    assert torch.allclose(logprobs, vocab_parallel_logprobs(filtered, target, 37), atol=1e-6)
+    assert torch.allclose(entropy, vocab_parallel_entropy(filtered, 37), atol=1e-5)
+    assert torch.isfinite(entropy).all() and entropy.requires_grad == entropy_grad
+    (grad,) = torch.autograd.grad(logprobs.sum(), filtered)
+    (expected,) = torch.autograd.grad(vocab_parallel_logprobs(filtered, target, 37).sum(), filtered)
+    assert torch.allclose(grad, expected, atol=1e-6)

@@ -25,7 +25,7 @@ from aligner.algorithms.rl_samples import Sample
 from aligner.data.packing import build_micro_batches
 from aligner.generation.trainer_logprobs import filtered_local_logits
 from aligner.generation.types import SamplingParams
-from aligner.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from aligner.models.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 
 
 def rl_micro_batches(groups: list[list[Sample]], pad_id: int, packing: dict, multiple: int) -> tuple[list[dict], int]:
@@ -62,9 +62,7 @@ def token_values(vocab_size: int, params: SamplingParams, entropy_grad: bool):
     carries a gradient only for an entropy bonus."""
     def values(logits, local):
         q_logits = filtered_local_logits(logits, params, vocab_size)
-        logprobs = vocab_parallel_logprobs(q_logits, local["labels"], vocab_size)
-        with torch.enable_grad() if entropy_grad else torch.no_grad():
-            entropy = vocab_parallel_entropy(q_logits, vocab_size)
+        logprobs, entropy = vocab_parallel_logprobs_and_entropy(q_logits, local["labels"], vocab_size, entropy_grad)
         return torch.stack([logprobs, entropy.to(logprobs.dtype)], -1)
 
     return values
