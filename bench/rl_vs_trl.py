@@ -43,18 +43,19 @@ Where the two sides still differ (neither changes the work a step does, except w
     prompt is 4 tokens, and the random-init policy almost never samples eos (responses ~16 tokens),
     so the shapes match step for step.
 
-Measured (2026-11-26, a quiet machine, --repeats 2, 1 thread):
+Measured (2026-11-26, a quiet machine, --repeats 2, 1 thread; TRL's own step varied 0.165-0.191 s between
+rounds):
 
-| case | CPU s/step | TRL / aligner |
+| case | CPU s/step | TRL / aligner (per round) |
 |---|---|---|
-| trl_grpo | 0.197 | |
-| aligner_grpo | 0.179 | 1.10x |
-| trl_rloo | 0.221 | |
-| aligner_rloo | 0.197 | 1.12x |
+| trl_grpo | 0.178 | |
+| aligner_grpo | 0.175 | 1.02x (1.10 / 0.94) |
+| trl_rloo | 0.208 | |
+| aligner_rloo | 0.166 | 1.26x (1.33 / 1.18) |
 
-The floor was 0.041 s. The lean bound (bench/rl_lean_bound.py) was 0.081 s: TRL over it is 2.42x for GRPO
-and 2.72x for RLOO. So the 3x target is out of reach on this CPU even for a lean compiled step. PPO: see
-bench/rl_ppo.py (1.7x).
+The floor was 0.039 s. The lean bound (bench/rl_lean_bound.py) was 0.076 s: TRL over it is 2.35x for GRPO
+and 2.73x for RLOO. So the 3x target is out of reach on this CPU even for a lean compiled step. PPO: see
+bench/rl_ppo.py (1.9x).
 """
 from __future__ import annotations
 

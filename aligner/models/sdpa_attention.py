@@ -58,12 +58,13 @@ class BlockDiagonalMask:
                                   for a, e in zip(bounds, bounds[1:])])
 
     def causal_groups(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """([(gather [m, L] row positions, real [m * L] bool) per group of causal blocks], the row positions
-        those groups' real outputs come in). A group's blocks are within 4/3 of its longest, so padding at
-        most about doubles a group's attention work; its padded slots repeat each block's last position."""
+        """([(gather [m, L] row positions, real [m * L] bool) per group of causal blocks], the permutation
+        that puts the groups' real outputs, then the other blocks' in row order, back in row order). A
+        group's blocks are within 4/3 of its longest, so padding at most about doubles a group's attention
+        work; its padded slots repeat each block's last position. Computed once per mask."""
         if self._plan is None:
-            blocks = sorted(((e - a, a) for (a, e), mask in zip(zip(self.bounds, self.bounds[1:]), self.allowed)
-                             if mask is None), reverse=True)
+            spans = list(zip(self.bounds, self.bounds[1:]))
+            blocks = sorted(((e - a, a) for (a, e), mask in zip(spans, self.allowed) if mask is None), reverse=True)
             groups, order = [], []
             while blocks:
                 longest = blocks[0][0]
@@ -76,7 +77,8 @@ class BlockDiagonalMask:
                 real = (steps[None, :] < sizes[:, None]).flatten()
                 groups.append((gather, real))
                 order.append(gather.flatten()[real])
-            self._plan = (groups, torch.cat(order) if order else torch.zeros(0, dtype=torch.long))
+            order += [torch.arange(a, e) for (a, e), mask in zip(spans, self.allowed) if mask is not None]
+            self._plan = (groups, torch.cat(order).argsort())
         return self._plan
 
 
@@ -104,13 +106,13 @@ class FusedCoreAttention(MegatronModule):
                 return self._attend_read_rows(blocks, bounds)
             if all(allowed is not None for allowed in attention_mask.allowed):
                 return torch.cat([self._attend(q, k, v, allowed) for q, k, v, allowed in blocks])
-            return self._attend_blocks(query, key, value, attention_mask, blocks, bounds)
+            return self._attend_blocks(query, key, value, attention_mask, blocks)
         return self._attend(query, key, value, None if attention_mask is None else ~attention_mask)
 
-    def _attend_blocks(self, query, key, value, mask: BlockDiagonalMask, blocks, bounds):
+    def _attend_blocks(self, query, key, value, mask: BlockDiagonalMask, blocks):
         """A flat row's attention: its causal blocks in `causal_groups`' batched calls, the others one by
         one; the outputs put back in row order."""
-        groups, positions = mask.causal_groups()
+        groups, to_rows = mask.causal_groups()
         s, b, heads, dim = query.shape
         outputs = []
         for gather, real in groups:
@@ -121,11 +123,8 @@ class FusedCoreAttention(MegatronModule):
                        .reshape(longest, m * b, *x.shape[2:]) for x in (query, key, value))
             out = self._attend(q, k, v, None).view(longest, m, b, heads * dim).transpose(0, 1)
             outputs.append(out.reshape(m * longest, b, heads * dim)[real.to(query.device)])
-        for (q, k, v, allowed), start, end in zip(blocks, bounds, bounds[1:]):
-            if allowed is not None:
-                outputs.append(self._attend(q, k, v, allowed))
-                positions = torch.cat([positions, torch.arange(start, end)])
-        return torch.cat(outputs).index_select(0, positions.argsort().to(query.device))
+        outputs += [self._attend(q, k, v, allowed) for q, k, v, allowed in blocks if allowed is not None]
+        return torch.cat(outputs).index_select(0, to_rows.to(query.device))
 
     def _attend_read_rows(self, blocks, bounds):
         """The flat row's attention at the positions `read_rows` only -> [len(read_rows), 1, heads * d]."""
