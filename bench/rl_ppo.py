@@ -67,14 +67,21 @@ of the service's work was hidden behind the actor's. The waits also hold the rou
 HTTP, the reward_model request, whose seconds the service does not report), so this is a lower bound.
 TRL's harness times only generate: its other is all the rest.
 
-Measured (2026-11-26, `python bench/rl_vs_trl.py --repeats 2 --only trl_ppo aligner_ppo`, 1 thread, other
-processes using 0.5-1.0 cores, so only the CPU figures count): CPU s/step over steps 6..30
-  trl_ppo 0.748 / 0.782 (the baseline's quiet 1-thread figure: 0.79), aligner_ppo 0.439 / 0.454, of which
-  its service's process tree 0.185; TRL / aligner 1.70x / 1.72x per paired round: the 3x target
-  (<= 0.255 CPU s/step) is not met. Wall: 0.32 s/step against TRL's 0.92 (2.98x, load-dependent).
-  86 % of the service's seconds were hidden behind the actor's work (infer 81 %, train 90 %).
-  PPO's matmul floor 0.083 s a step (164.6 GFLOP/s). Before the service read the co-hosted reward scores
-  from the values reply and forwarded 32 rows a pass, aligner_ppo took 0.57-0.62 CPU s/step (1.28-1.40x).
+Measured (2026-11-26, `python bench/rl_vs_trl.py --repeats 3 --only trl_ppo aligner_ppo`, 1 thread, a quiet
+machine whose speed drifted by ~30 % over the afternoon, so only paired rounds compare): CPU s/step over
+steps 6..30
+  trl_ppo 0.860 / 0.853 / 0.801, aligner_ppo 0.422 / 0.368 / 0.389, of which its service's process tree
+  0.171; TRL / aligner 2.04x / 2.32x / 2.06x per paired round (an earlier run: 1.95x / 1.89x with TRL at
+  0.626 / 0.656): the 3x target (<= 0.284 CPU s/step in this run) is not met. Wall: 0.259 s/step against
+  TRL's 0.788-0.866 (3.05x). 72 % of the service's seconds were hidden behind the actor's work (infer
+  37 %, train 96 %). PPO's matmul floor 0.076 s a step (180.2 GFLOP/s).
+  History: 0.57-0.62 CPU s/step (1.28-1.40x) before the service read the co-hosted reward scores from the
+  values reply and forwarded 32 rows a pass; 0.44-0.45 (1.70x / 1.72x, under load) until the changes of
+  2026-11-26: old log-probs from the engine (this configuration, as TRL), no entropy in forward-only
+  passes, the service's rows unpadded (they were padded to a multiple of 16: 32 positions for 20), causal
+  blocks of a flat row attended in batched calls, fused attention in the service. The code before and
+  after them, alternated in one harness: 0.410 / 0.417 against 0.343 / 0.370 CPU s/step (-13 %); paired
+  with TRL the code before gave 1.95x / 1.86x (TRL 0.784 / 0.768).
 """
 from __future__ import annotations
 
