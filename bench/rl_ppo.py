@@ -82,6 +82,12 @@ steps 6..30
   blocks of a flat row attended in batched calls, fused attention in the service. The code before and
   after them, alternated in one harness: 0.410 / 0.417 against 0.343 / 0.370 CPU s/step (-13 %); paired
   with TRL the code before gave 1.95x / 1.86x (TRL 0.784 / 0.768).
+  PPO's lean bound (bench/rl_lean_bound.py --value: compiled HF models, no framework; a later run, paired
+  2.14x / 1.96x with TRL at 0.836 / 0.794 and aligner at 0.390 / 0.405): train 0.057 + reference 0.016 +
+  2 x value forward 0.014 + value train 0.054 + generate at its floor 0.008 = 0.162 s. TRL runs at 5.0x it
+  and aligner at 2.45x (GRPO: 2.3x its own lean bound), so 3x TRL is within reach of a lean compiled step
+  but not of this one, whose time over the matmuls goes to megatron's eager per-op work: elementwise
+  passes over the activations (SwiGLU, RMSNorm, RoPE, log-softmax) and per-layer Python.
 """
 from __future__ import annotations
 

@@ -281,16 +281,22 @@ def matmul_floor(art: Path, threads: int, prompt_tokens: int, response_tokens: f
             "ppo": {"flops": ppo, "seconds": {k: v / rate for k, v in ppo.items()}, "step_s": sum(ppo.values()) / rate}}
 
 
-def lean_bound(art: Path, threads: int, prompt_tokens: float, response_tokens: float, floor: dict) -> dict:
+def lean_bound(art: Path, threads: int, prompt_tokens: float, response_tokens: float, floor: dict,
+               ppo: bool = False) -> dict:
     """bench/rl_lean_bound.py in a fresh process: a compiled, framework-free GRPO train step and reference
-    forward on the step's shapes, plus generation at its matmul floor; CPU s/step."""
+    forward on the step's shapes, plus generation at its matmul floor; CPU s/step. With `ppo` also the
+    value model's forward and training step, and PPO's bound (`ppo_step_s`)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TRANSFORMERS_VERBOSITY": "error"}
     cmd = [sys.executable, str(REPO / "bench" / "rl_lean_bound.py"), "--policy", str(art / "policy"),
            "--samples", str(RUN["prompts_per_step"] * RUN["num_generations"]), "--threads", str(threads),
-           "--prompt-tokens", str(round(prompt_tokens)), "--response-tokens", str(round(response_tokens))]
+           "--prompt-tokens", str(round(prompt_tokens)), "--response-tokens", str(round(response_tokens)),
+           *(["--value", str(art / "reward")] if ppo else [])]
     r = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     r["generate_floor_s"] = floor["seconds"]["generate"]
     r["step_s"] = r["train_s"] + r["reference_s"] + r["generate_floor_s"]
+    if ppo:
+        r["ppo_step_s"] = (r["train_s"] + r["reference_s"] + 2 * r["value_forward_s"] + r["value_train_s"]
+                           + floor["ppo"]["seconds"]["generate"])
     return r
 
 
@@ -402,7 +408,8 @@ def report_floor(floor: dict, summary: dict) -> None:
           f"generate {sec['generate']:.4f} + reference {sec['reference']:.4f} + train {sec['train']:.4f} = "
           f"{floor['step_s']:.4f} s, so no implementation reaches more than TRL / floor:")
     _print_trl_over(floor["step_s"], summary, ppo=False)
-    if bound := floor.get("lean_bound"):
+    bound = floor.get("lean_bound")
+    if bound and any(s["algorithm"] != "ppo" for s in summary.values()):
         print(f"The lean bound (bench/rl_lean_bound.py, {bound['threads']} thread(s), CPU s): the baseline's HF "
               f"policy compiled with torch.compile, no framework: train {bound['train_s']:.4f} "
               f"({bound['train_s'] / sec['train']:.2f}x its floor) + reference {bound['reference_s']:.4f} "
@@ -414,6 +421,11 @@ def report_floor(floor: dict, summary: dict) -> None:
         print(f"PPO's floor (rl_ppo.floor_flops: + a value and a reward forward, the value model's forward and "
               f"backward): {' + '.join(f'{k} {v:.4f}' for k, v in ppo['seconds'].items())} = {ppo['step_s']:.4f} s")
         _print_trl_over(ppo["step_s"], summary, ppo=True)
+        if bound and "ppo_step_s" in bound:
+            print(f"PPO's lean bound: train {bound['train_s']:.4f} + reference {bound['reference_s']:.4f} + 2 x value "
+                  f"forward {bound['value_forward_s']:.4f} + value train {bound['value_train_s']:.4f} + generate at "
+                  f"its floor {ppo['seconds']['generate']:.4f} = {bound['ppo_step_s']:.4f} s")
+            _print_trl_over(bound["ppo_step_s"], summary, ppo=True)
 
 
 def main() -> None:
@@ -453,8 +465,8 @@ def main() -> None:
                        / (RUN["prompts_per_step"] * RUN["num_generations"]))
     prompt_length = prompt_tokens(paths["art"])
     floor = matmul_floor(paths["art"], args.threads, prompt_length, response_tokens)
-    if any(s["algorithm"] != "ppo" for s in summary.values()):
-        floor["lean_bound"] = lean_bound(paths["art"], args.threads, prompt_length, response_tokens, floor)
+    floor["lean_bound"] = lean_bound(paths["art"], args.threads, prompt_length, response_tokens, floor,
+                                     ppo=any(s["algorithm"] == "ppo" for s in summary.values()))
     (out / "results.json").write_text(json.dumps({"args": vars(args), "run": RUN, "target": TARGET, "floor": floor,
                                                   "cases": {k: list(v[:2]) + [v[2]] for k, v in todo.items()},
                                                   "summary": summary, "results": runs}, indent=1))
