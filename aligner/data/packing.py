@@ -25,7 +25,8 @@ fullest micro-batch, rounded up to `multiple`. `blocks` lists the boundaries of 
 block is attended on its own (`aligner.models.sdpa_attention.BlockDiagonalMask`). A block is a run
 of consecutive units of one bin, closed once it holds `MIN_ATTENTION_BLOCK` positions: attention
 costs the square of a block's size, so a bin of 256 positions attended as three units of ~85 costs
-about half, while blocks much smaller than that would pay the kernel's fixed price per call.
+about half, while blocks much smaller than that would pay the kernel's fixed price per call (blocks
+of one sequence, such as RL's samples, are attended several to a call, padded to similar sizes).
 Each micro-batch dict holds, all [rows, length]: `tokens`, `labels` (int64), `loss_mask` (float32),
 `sequence_index` (which of the micro-batch's sequences a position's label belongs to, -1 on padding),
 `shared_index` (a second sequence the label also belongs to: a trunk position counts for both

@@ -113,7 +113,7 @@ class FusedCoreAttention(MegatronModule):
         """A flat row's attention: its causal blocks in `causal_groups`' batched calls, the others one by
         one; the outputs put back in row order."""
         groups, to_rows = mask.causal_groups()
-        s, b, heads, dim = query.shape
+        _, b, heads, dim = query.shape
         outputs = []
         for gather, real in groups:
             m, longest = gather.shape
