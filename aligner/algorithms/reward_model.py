@@ -126,7 +126,8 @@ class PackedRewardObjective(PreferenceAlgorithm):
     "regression" (single sequences packed as they are)."""
 
     def __init__(self, kind: str, pad_id: int, center_coef: float = 0.0):
-        self.kind, self.pad_id, self.center_coef = kind, pad_id, center_coef
+        self.kind, self.pad_id = kind, pad_id
+        self._score_loss = score_loss(kind, center_coef)  # built once, called on every micro-batch
 
     def sequences(self, sample) -> list:
         if self.kind == "regression":
@@ -145,7 +146,7 @@ class PackedRewardObjective(PreferenceAlgorithm):
                 batch["margins"] = torch.tensor([s.margin for s in group], dtype=torch.float32)
 
     def loss(self, scores, counts, batch):
-        return score_loss(self.kind, self.center_coef)(scores, batch)
+        return self._score_loss(scores, batch)
 
 
 # ---- forward step ---------------------------------------------------------------------------------

@@ -89,13 +89,23 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """log p(target) per position. logits [..., V/TP] (this rank's slice), target [...] global ids."""
-    group, _ = _tp_group()
-    if group is None or dist.get_world_size(group) == 1:  # the whole vocabulary here: torch's fused log-softmax
-        logits = logits.float()
-        if vocab_size is not None and logits.shape[-1] > vocab_size:
-            logits = logits[..., :vocab_size]
-        return logits.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    if _whole_vocabulary():  # torch's fused log-softmax
+        return _log_softmax(logits, vocab_size).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return _VocabParallelLogProbs.apply(logits, target, vocab_size)
+
+
+def _whole_vocabulary() -> bool:
+    """Whether this rank holds the whole vocabulary (no tensor parallelism)."""
+    group, _ = _tp_group()
+    return group is None or dist.get_world_size(group) == 1
+
+
+def _log_softmax(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """float32 log-softmax over the whole vocabulary, megatron's padding columns left out."""
+    logits = logits.float()
+    if vocab_size is not None and logits.shape[-1] > vocab_size:
+        logits = logits[..., :vocab_size]
+    return logits.log_softmax(-1)
 
 
 def vocab_parallel_logprobs_and_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None,
@@ -104,15 +114,11 @@ def vocab_parallel_logprobs_and_entropy(logits: torch.Tensor, target: torch.Tens
     whole vocabulary here and no entropy gradient both come from one log-softmax, the entropy as
     sum(entr(p)) = -sum p log p (entr(0) = 0 for filtered columns): three passes over the logits, where
     `vocab_parallel_entropy`'s own softmax takes about ten."""
-    group, _ = _tp_group()
-    if entropy_grad or (group is not None and dist.get_world_size(group) > 1):
+    if entropy_grad or not _whole_vocabulary():
         logprobs = vocab_parallel_logprobs(logits, target, vocab_size)
         with torch.enable_grad() if entropy_grad else torch.no_grad():
             return logprobs, vocab_parallel_entropy(logits, vocab_size)
-    logits = logits.float()
-    if vocab_size is not None and logits.shape[-1] > vocab_size:
-        logits = logits[..., :vocab_size]
-    log_p = logits.log_softmax(-1)
+    log_p = _log_softmax(logits, vocab_size)
     with torch.no_grad():
         entropy = torch.special.entr(log_p.exp()).sum(-1)
     return log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1), entropy
