@@ -67,6 +67,21 @@ of the service's work was hidden behind the actor's. The waits also hold the rou
 HTTP, the reward_model request, whose seconds the service does not report), so this is a lower bound.
 TRL's harness times only generate: its other is all the rest.
 
+Measured again (2026-11-26 evening, unchanged code, quiet machine; three rounds of `--threads 1 --only trl_ppo
+aligner_ppo`, each followed by `--threads 2 --only trl_ppo`):
+  | round | TRL 1 thread: wall / CPU s/step | aligner: wall / CPU s/step | TRL 2 threads: wall | CPU ratio | wall ratio, TRL at its faster thread count |
+  | 1 | 0.957 / 1.013 | 0.271 / 0.401 | 1.071 (run before it) | 2.53x | 3.53x |
+  | 2 | 0.924 / 0.918 | 0.268 / 0.406 | 0.762 | 2.26x | 2.84x |
+  | 3 | 0.781 / 0.778 | 0.254 / 0.383 | 0.560 | 2.03x | 2.20x |
+  CPU time is the ratio's basis (as in bench/preference_vs_trl.py). Wall time is no way around it: TRL uses a
+  second core when given two threads (1.2-1.4x faster in rounds 2 and 3), so on the same two cores TRL's best
+  wall time is 2.2-3.5x aligner's. The 3x target is met on neither basis.
+  Headroom measured the same evening, standalone, on the step's [32, 20] shapes (1 thread, CPU ms, one run each,
+  noisy): megatron's eager policy forward 23-30 and train step 89-103, HF eager 25 / 90, HF compiled 19 / 75;
+  megatron's layers under torch.compile (9 graph breaks) 25 / 97 against 30 / 105 eager; the same layer maths in
+  plain torch ops 18 / 84, compiled 21 / 88. A second process busy on the other core slowed a train step by up to
+  28 % (120 against 94): the service's overlap with the actor costs CPU time that TRL, in one process, does not
+  pay. A world of one still runs 9 gloo collectives a step (about 1.7 ms).
 Measured (2026-11-26, `python bench/rl_vs_trl.py --repeats 3 --only trl_ppo aligner_ppo`, 1 thread, a quiet
 machine whose speed drifted by ~30 % over the afternoon, so only paired rounds compare): CPU s/step over
 steps 6..30
