@@ -73,6 +73,10 @@ aligner_ppo`, each followed by `--threads 2 --only trl_ppo`):
   | 1 | 0.957 / 1.013 | 0.271 / 0.401 | 1.071 (run before it) | 2.53x | 3.53x |
   | 2 | 0.924 / 0.918 | 0.268 / 0.406 | 0.762 | 2.26x | 2.84x |
   | 3 | 0.781 / 0.778 | 0.254 / 0.383 | 0.560 | 2.03x | 2.20x |
+  | 4 | 0.510 / 0.512 | 0.178 / 0.266 | not run | 1.92x | (2.86x against TRL's 1 thread) |
+  | 5 | 0.494 / 0.497 | 0.198 / 0.298 | not run | 1.67x | (2.49x against TRL's 1 thread) |
+  (rounds 4-5 an hour later, `--repeats 2`, with the VM about 1.6x faster for TRL and 1.4x for aligner: the
+  ratio moves with the machine's speed.)
   CPU time is the ratio's basis (as in bench/preference_vs_trl.py). Wall time is no way around it: TRL uses a
   second core when given two threads (1.2-1.4x faster in rounds 2 and 3), so on the same two cores TRL's best
   wall time is 2.2-3.5x aligner's. The 3x target is met on neither basis.
