@@ -3,15 +3,17 @@
 Layout of a checkpoint directory:
     aligner.json          model architecture, vocabulary size, head kind, trainer state (step, data position, ...)
     weights/              dist_checkpointing of {"model": ..., "optimizer": ...}
-    rank_state/rank_<r>.pt  per-rank RNG states (torch, CUDA, numpy, python, megatron tracker)
+    rank_state/rank_<r>.pt  per-rank RNG states, by the device they belong to (runtime/seeding.py)
     tokenizer/            the Hugging Face tokenizer, when one was given
     COMPLETE              written last
 A checkpoint is first written to `<dir>.partial` and renamed once every rank has finished, so a
-process that dies mid-save never leaves a directory that looks complete.
+process that dies mid-save never leaves a directory that looks complete. Weights written with one layer
+spec load with the other: every load checks the model's keys one by one (checkpoint_keys.py).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import shutil
@@ -22,6 +24,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from aligner.errors import UserError
+from aligner.models import checkpoint_keys
+
+log = logging.getLogger(__name__)
 
 # megatron is imported inside the functions: the CLI process reads checkpoint metadata before it
 # launches ranks, and importing megatron there costs seconds and prints its apex/TE warnings.
@@ -132,13 +137,41 @@ def latest_checkpoint(checkpoints_dir) -> Path | None:
     return max(found)[1] if found else None
 
 
-def load_weights(path, model) -> None:
-    """Load the model weights into `model` (any TP/PP layout: dist_checkpointing reshards)."""
+def _load_checked(path, inner, sharded: dict, skipped: frozenset[str] = frozenset()) -> dict:
+    """Collective: dist_checkpointing.load of `sharded` ({"model": `inner`'s sharded state dict, and
+    maybe "optimizer"}), with the model's keys checked one by one (checkpoint_keys.check_checkpoint_keys):
+    a TE model may find its extra state absent, a model may leave the checkpoint's extra state and the
+    `skipped` keys unread; any other mismatch is an error naming the keys. The optimizer's state is
+    left to megatron's own checks."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    te_names = checkpoint_keys.te_extra_state_names(inner)
+    te_keys = {entry.key for name, entry in sharded["model"].items() if name in te_names}
+    # megatron's words: "unexpected" = requested but not in the checkpoint, "missing" = the reverse
+    loaded, ckpt_only, absent = dist_checkpointing.load(sharded, str(Path(path) / "weights"),
+                                                        strict=StrictHandling.RETURN_ALL)
+    left_over = {k for k in ckpt_only if not k.startswith("optimizer.")} - skipped
+    absent, ignored = checkpoint_keys.check_checkpoint_keys(absent, left_over, te_keys, str(path))
+    if absent:
+        log.info("%s has no Transformer Engine extra state %s (written without TE): TE starts it from its defaults",
+                 path, ", ".join(sorted(absent)))
+    if ignored:
+        log.info("%s: ignored its Transformer Engine extra state %s (this model has no TE module for it)",
+                 path, ", ".join(sorted(ignored)))
+    return loaded
+
+
+def _load_module(inner, state: dict, path) -> None:
+    missing, unexpected = inner.load_state_dict(state, strict=False)
+    checkpoint_keys.check_module_keys(missing, unexpected, checkpoint_keys.te_extra_state_names(inner), str(path))
+
+
+def load_weights(path, model) -> None:
+    """Load the model weights into `model` (any TP/PP layout: dist_checkpointing reshards; either layer spec)."""
     inner = unwrap(model)
-    loaded = dist_checkpointing.load({"model": inner.sharded_state_dict()}, str(Path(path) / "weights"))
-    inner.load_state_dict(loaded["model"])
+    loaded = _load_checked(path, inner, {"model": inner.sharded_state_dict()})
+    _load_module(inner, loaded["model"], path)
 
 
 def scalar_head_outputs(path) -> int | None:
@@ -157,19 +190,17 @@ def load_into_scalar_model(path, model, num_outputs: int) -> bool:
     """Load a checkpoint into a scalar-head model (any TP/PP): all weights when its head has
     `num_outputs` outputs, else everything but the head (a language model, or a reward model with
     other attributes), which keeps its initialisation. Collective. Returns whether the head loaded."""
-    from megatron.core import dist_checkpointing
-
     inner = unwrap(model)
     sharded = inner.sharded_state_dict()
     with_head = scalar_head_outputs(path) == num_outputs
     skipped = [] if with_head else [k for k in sharded if k.startswith("output_layer.")]
+    skipped_keys = frozenset(sharded[k].key for k in skipped)
     for key in skipped:
         del sharded[key]
-    loaded = dist_checkpointing.load({"model": sharded}, str(Path(path) / "weights"))["model"]
+    loaded = _load_checked(path, inner, {"model": sharded}, skipped_keys)["model"]
     missing, unexpected = inner.load_state_dict(loaded, strict=False)
-    if set(missing) - set(skipped) or unexpected:
-        raise RuntimeError(f"{path} does not fit this model: missing {sorted(set(missing) - set(skipped))[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
+    checkpoint_keys.check_module_keys(sorted(set(missing) - set(skipped)), unexpected,
+                                      checkpoint_keys.te_extra_state_names(inner), str(path))
     return with_head
 
 
@@ -218,16 +249,14 @@ def _restore_adam_step(optimizer, loaded: dict) -> None:
 
 def load_training_state(path, model, optimizer) -> tuple[dict, dict | None]:
     """Weights + optimizer state; returns (trainer_state, this rank's rank_state or None)."""
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
     inner = unwrap(model)
     _materialise_distributed_optimizer_state(optimizer)
     model_sd = inner.sharded_state_dict()
     sharded = {"model": model_sd,
                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)}
-    loaded = dist_checkpointing.load(sharded, str(path / "weights"))
-    inner.load_state_dict(loaded["model"])
+    loaded = _load_checked(path, inner, sharded)
+    _load_module(inner, loaded["model"], path)
     with torch.no_grad():  # the distributed optimizer copies into leaf main params in place
         optimizer.load_state_dict(loaded["optimizer"])
     _restore_adam_step(optimizer, loaded["optimizer"])

@@ -1,18 +1,24 @@
 """Build a Megatron-core `GPTModel` (Llama family) from a `ModelConfig`.
 
 Transformer-Engine layer spec when TE imports on a GPU host, else megatron's local spec, with its
-MLP's SwiGLU in one autograd function (`swiglu.py`); on the local spec, context parallelism uses
-our portable all-gather attention (`cp_attention.py`).
+MLP's SwiGLU in one autograd function (`swiglu.py`) and norms that take sequence parallelism on any
+device; on the local spec, context parallelism uses our portable all-gather attention (`cp_attention.py`).
+Which spec, and why, is one log line (`choose_layer_spec`).
 """
 from __future__ import annotations
 
 import copy
+import functools
+import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from aligner.models import rope
-from aligner.runtime.optional import probe, require
+from aligner.runtime.optional import Availability, probe, unavailable
+
+log = logging.getLogger(__name__)
 
 # megatron, and our modules that import it (cp_attention, swiglu), are imported inside the functions:
 # the CLI process imports this module (`aligner convert` through hf_weights, `aligner generate`) before
@@ -27,13 +33,67 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def use_transformer_engine(impl: str) -> bool:
+@dataclass(frozen=True)
+class SpecChoice:
+    transformer_engine: bool
+    reason: str
+    warn: bool = False  # a GPU host where TE was expected but does not load: the user should know
+
+    def line(self) -> str:
+        return f"layer spec: {'transformer_engine' if self.transformer_engine else 'local'} ({self.reason})"
+
+
+def choose_layer_spec(impl: str, cuda: bool, te: Availability) -> SpecChoice:
+    """The layer spec for `model.transformer_impl` on a host with (`cuda`) or without a CUDA device,
+    given what `probe("transformer_engine")` found. `transformer_engine` that cannot load is an error;
+    `auto` never falls back in silence: a TE that is installed but fails to import on a CUDA host is a
+    warning that carries the import error."""
     if impl == "local":
-        return False
+        return SpecChoice(False, "model.transformer_impl=local")
     if impl == "transformer_engine":
-        require("transformer_engine")
-        return True
-    return torch.cuda.is_available() and probe("transformer_engine").importable
+        if not te.importable:
+            raise unavailable(te)
+        return SpecChoice(True, "model.transformer_impl=transformer_engine")
+    if not cuda:
+        return SpecChoice(False, "no CUDA device")
+    if te.importable:
+        return SpecChoice(True, "CUDA + TE importable")
+    if not te.installed:
+        return SpecChoice(False, "transformer_engine not installed")
+    return SpecChoice(False, f"transformer_engine is installed but does not import: {te.reason}; fix the TE install, "
+                             f"or set model.transformer_impl=local to choose the local spec", warn=True)
+
+
+@functools.cache
+def _layer_spec_choice(impl: str) -> SpecChoice:
+    choice = choose_layer_spec(impl, torch.cuda.is_available(), probe("transformer_engine"))
+    log.log(logging.WARNING if choice.warn else logging.INFO, choice.line())  # once per process
+    return choice
+
+
+def use_transformer_engine(impl: str) -> bool:
+    return _layer_spec_choice(str(impl)).transformer_engine
+
+
+class SequenceParallelTorchNorm:
+    """megatron's torch norm (`WrappedTorchNorm`) for the local spec, also under sequence parallelism.
+
+    `WrappedTorchNorm` refuses `sequence_parallel` because a torch norm does not tag its parameters;
+    the norm itself is per position, so a rank holding a slice of the sequence computes it exactly.
+    What SP needs is that the norm's weight gradients, partial sums over this rank's positions, are
+    summed over TP: megatron's `finalize_model_grads` does that for parameters tagged
+    `sequence_parallel`, which is all that apex's and Transformer Engine's norms do differently.
+    Nothing here depends on the device."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        without_sp = copy.copy(config)
+        without_sp.sequence_parallel = False
+        norm = WrappedTorchNorm(without_sp, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def transformer_config(m, **overrides):
@@ -86,17 +146,31 @@ def transformer_config(m, **overrides):
 
 
 def layer_spec(m):
+    """The spec of one decoder layer."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine(m.transformer_impl):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelTorchNorm
     if m.context_parallel_size > 1:
         from aligner.models.cp_attention import AllGatherContextParallelAttention
 
-        spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = AllGatherContextParallelAttention
+        layer.self_attention.submodules.core_attention = AllGatherContextParallelAttention
     return spec
+
+
+def decoder_spec(m, config):
+    """The decoder block's spec: the layer spec, plus on the local spec the final norm, which megatron
+    would otherwise pick by what is installed (TE's, else the torch norm that refuses SP)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec = layer_spec(m)
+    if use_transformer_engine(m.transformer_impl):
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchNorm)
 
 
 def build_gpt(m, vocab_size: int, pre_process: bool | None = None, post_process: bool | None = None):
@@ -108,7 +182,7 @@ def build_gpt(m, vocab_size: int, pre_process: bool | None = None, post_process:
     config = transformer_config(m)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(m),
+        transformer_layer_spec=decoder_spec(m, config),
         vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size),
         max_sequence_length=m.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,

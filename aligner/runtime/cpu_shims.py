@@ -16,7 +16,8 @@ megatron function, with its CPU meaning. What each works around, in megatron-cor
   (`torch.cuda.get_rng_state`, _get_cuda_rng_state / _set_cuda_rng_state); CudaRNGStatesTracker.fork
   swaps it around every tensor-parallel region (`transformer/dot_product_attention.py`
   DotProductAttention.forward). Upstream keeps one CUDA generator stream per TP rank so that dropout
-  inside TP regions differs across TP ranks while the default stream stays identical.
+  inside TP regions differs across TP ranks while the default stream stays identical. Here the
+  tracker's states are CPU generator states, so a checkpoint files them under "cpu" (runtime/seeding.py).
 * P3 `torch.cuda.synchronize()`: `pipeline_parallel/p2p_communication.py` P2PCommunicator._communicate_shapes
   and _communicate (with batch_p2p_sync: "to protect against race condition when using
   batch_isend_irecv()"), and `dist_checkpointing/strategies/filesystem_async.py`
@@ -45,18 +46,16 @@ megatron function, with its CPU meaning. What each works around, in megatron-cor
   overlap the reduction with compute, when the distributed optimizer has several instances
   (num_distributed_optimizer_instances > 1); `torch.cuda.current_stream` is replaced with them. On CPU
   every op is already ordered.
-* P10 `transformer/torch_norm.py` WrappedTorchNorm.__new__ asserts `not config.sequence_parallel`:
-  upstream, only the apex and Transformer-Engine norms support sequence parallelism.
+Sequence parallelism on the local spec (megatron's torch norm refuses it) needs no shim: it is the same
+on every device, so the local spec's norms take it themselves (`models/gpt.py` SequenceParallelTorchNorm).
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 
 import megatron.core.tensor_parallel.random as tp_random
 import torch
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from torch.overrides import _get_current_function_mode_stack
 
 _applied = False
@@ -136,25 +135,6 @@ class _OrderedStream:
         return False
 
 
-def _sequence_parallel_torch_norm():
-    """P10: the local spec's torch norm refuses sequence_parallel. A torch norm is correct under
-    SP when its parameters are tagged `sequence_parallel`, because megatron's
-    finalize_model_grads then all-reduces their grads over TP."""
-    build = WrappedTorchNorm.__new__
-
-    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
-        sequence_parallel = config.sequence_parallel
-        if sequence_parallel:
-            config = copy.copy(config)
-            config.sequence_parallel = False
-        norm = build(cls, config, hidden_size, eps, *args, **kwargs)
-        for p in norm.parameters():
-            p.sequence_parallel = sequence_parallel
-        return norm
-
-    WrappedTorchNorm.__new__ = staticmethod(__new__)
-
-
 def apply() -> bool:
     """Apply every shim once in this process; a no-op when CUDA is available. Returns whether
     shims are active. The TorchFunctionMode is thread-local: threads that run megatron code
@@ -174,7 +154,6 @@ def apply() -> bool:
     torch.cuda.current_stream = lambda device=None: _OrderedStream()  # P9
     torch.cuda.Stream = _OrderedStream
     torch.cuda.stream = lambda s=None: contextlib.nullcontext()
-    _sequence_parallel_torch_norm()  # P10
     enter_thread()
     _applied = True
     return True

@@ -46,13 +46,19 @@ def probe(name: str) -> Availability:
 
 
 def require(name: str) -> ModuleType:
-    extra, purpose = OPTIONAL[name]
     found = probe(name)
     if found.importable:
         return importlib.import_module(name)
+    raise unavailable(found)
+
+
+def unavailable(found: Availability) -> MissingOptionalDependency:
+    """The error for a package that `probe` found missing or unloadable."""
+    extra, purpose = OPTIONAL[found.name]
     hint = (f"install it with `pip install 'aligner[{extra}]'`" if not found.installed
             else "it is installed but cannot load on this host (no GPU driver?)")
-    raise MissingOptionalDependency(f"{name} is needed for {purpose} ({found.reason})", f"import {name}", hint)
+    return MissingOptionalDependency(f"{found.name} is needed for {purpose} ({found.reason})", f"import {found.name}",
+                                     hint)
 
 
 def report() -> dict[str, Availability]:
