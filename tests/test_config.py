@@ -64,7 +64,7 @@ def test_every_model_yaml_matches_the_schema():
     from aligner import CONF_DIR
 
     for path in sorted((CONF_DIR / "model").glob("*.yaml")):
-        m = OmegaConf.load(path)  # one model replica: TP x PP x CP ranks
+        m = OmegaConf.load(path).model  # one model replica: TP x PP x CP ranks
         ranks = (m.get("tensor_model_parallel_size", 1) * m.get("pipeline_model_parallel_size", 1)
                  * m.get("context_parallel_size", 1))
         cfg = load_config("sft", REQUIRED + [f"model={path.stem}"], world_size=ranks)

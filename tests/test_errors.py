@@ -101,6 +101,12 @@ CASES = [
          ("transformer_engine", "pip install")),
     Case("missing optional GPU package, two ranks", sft("model.transformer_impl=transformer_engine", TWO_RANKS), 1,
          ("transformer_engine", "pip install")),
+    # never faked: these hosts have no TensorRT-LLM (it is not on PyPI), so the config check refuses before any rank
+    Case("TensorRT-LLM backend without TensorRT-LLM", grpo("generation.backend=trtllm"), 2,
+         ("generation.backend=trtllm", "tensorrt_llm", "Dockerfile")),
+    Case("TensorRT-LLM backend without TensorRT-LLM, generate",
+         ("generate", "--model", "{sft_ckpt}", "--prompts", "{prompts}", "--out", "{out}/g.jsonl",
+          "generation.backend=trtllm"), 2, ("generation.backend=trtllm", "tensorrt_llm", "Dockerfile")),
 ]
 
 

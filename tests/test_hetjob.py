@@ -50,7 +50,8 @@ def test_the_plan_gives_each_side_its_args_and_job_derived_ports(tiny_assets):
 
 @pytest.mark.parametrize("overrides, lines, words", [
     (["critic.parallel.tensor_model_parallel_size=4"], SCONTROL, "the service (component 0) has 2 tasks"),
-    (["model.tensor_model_parallel_size=4"], SCONTROL, "the actor (component 1) has 2 tasks"),
+    (["model.tensor_model_parallel_size=4", "critic.parallel.tensor_model_parallel_size=1"], SCONTROL,
+     "the actor (component 1) has 2 tasks"),
     ([], SCONTROL.replace("TresPerNode=gres:gpu:1", "TresPerNode=gres:gpu:4"), "one task per GPU"),
     ([], SCONTROL.splitlines()[0], "needs a heterogeneous job of 2 components"),
 ])

@@ -69,7 +69,7 @@ MODELS = {
 
 
 def _model_yaml(name: str):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"))
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml").model)
 
 
 def test_every_model_file_is_covered():

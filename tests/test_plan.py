@@ -230,5 +230,5 @@ def test_train_refuses_a_layout_over_the_gpus_memory_before_any_rank_starts(monk
     with pytest.raises(UsageError) as refused:  # TP 2 x DP 4 without the distributed optimizer
         _check_memory("sft", compose("sft", ["model=llama3_70b", "model.tensor_model_parallel_size=2",
                                              "model.pipeline_model_parallel_size=1", "launcher.nproc_per_node=8",
-                                             "trainer.global_batch_size=8", "trainer.micro_batch_size=1"]))
+                                             "trainer.global_batch_size=8", "optim.distributed_optimizer=false"]))
     assert "optim.distributed_optimizer=true" in refused.value.what

@@ -126,7 +126,7 @@ def _train_checks(stage: str, overrides: list[str]):
 
 
 def _model_file(name: str):
-    return OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml")
+    return OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml").model
 
 
 @pytest.mark.parametrize("recipe", ["llama3_8b_sft_dpo", "llama31_405b_sft_dpo"])

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from aligner.data.prompts import load_prompt_dataset
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
-from aligner.generation.megatron_engine import MegatronEngine
+from aligner.generation.backends import build_engine
+from aligner.generation.types import GenerationBackend
 from aligner.models.policy import build_policy
 from aligner.models.training import wrap_for_training
 from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
@@ -23,7 +24,7 @@ class Policy:
     model: list
     optimizer: object
     scheduler: object
-    engine: MegatronEngine
+    engine: GenerationBackend
 
 
 def build_rl_policy(cfg) -> Policy:
@@ -33,9 +34,9 @@ def build_rl_policy(cfg) -> Policy:
     prompts = load_prompt_dataset(d.train_path, tokenizer, d.max_length, d.overlong)
     val = load_prompt_dataset(d.val_path, tokenizer, d.max_length, d.overlong) if d.val_path else None
     model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
-    engine = MegatronEngine(model, m, vocab_size, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                            tokenizer=tokenizer, max_batch_size=cfg.generation.batch_size,
-                            decode=str(cfg.generation.decode))
+    g = cfg.generation
+    engine = build_engine(str(g.backend), model, m, vocab_size, tokenizer, batch_size=g.batch_size, decode=g.decode,
+                          tokenizer_dir=cfg.tokenizer.path, checkpoint=m.pretrained)
     return Policy(tokenizer, vocab_size, prompts, val, model, optimizer, scheduler, engine)
 
 

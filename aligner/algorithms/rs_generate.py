@@ -96,7 +96,7 @@ def generate_winners(cfg, out: str | Path) -> dict:
     from aligner.data.prompts import load_prompt_dataset
     from aligner.data.tokenizer import load_tokenizer
     from aligner.generation import rng
-    from aligner.generation.megatron_engine import MegatronEngine
+    from aligner.generation.backends import build_engine
     from aligner.generation.types import SamplingParams
     from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
     from aligner.models.gpt import build_gpt
@@ -118,9 +118,9 @@ def generate_winners(cfg, out: str | Path) -> dict:
     load_weights(cfg.model.pretrained, model)
     prompts = load_prompt_dataset(cfg.data.train_path, tokenizer, cfg.data.max_length, cfg.data.overlong)
     raw = {line: obj for line, obj in read_jsonl(cfg.data.train_path)}
-    engine = MegatronEngine(model, model_cfg, vocab_size, eos_id=tokenizer.eos_token_id,
-                            pad_id=tokenizer.pad_token_id, tokenizer=tokenizer,
-                            max_batch_size=cfg.generation.batch_size, decode=str(cfg.generation.decode))
+    g = cfg.generation
+    engine = build_engine(str(g.backend), model, model_cfg, vocab_size, tokenizer, batch_size=g.batch_size,
+                          decode=g.decode, tokenizer_dir=cfg.tokenizer.path, checkpoint=cfg.model.pretrained)
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
                             stop_strings=tuple(s.stop_strings), seed=cfg.trainer.seed)
     weights = list(w.weights) if w.weights is not None else None

@@ -37,7 +37,7 @@ from aligner.data.preference import PreferencePair
 from aligner.data.sft import load_sft_dataset
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
 from aligner.generation import rng
-from aligner.generation.megatron_engine import MegatronEngine
+from aligner.generation.backends import build_engine
 from aligner.generation.types import SamplingParams
 from aligner.models.checkpoint import load_weights
 from aligner.models.gpt import build_gpt
@@ -109,6 +109,7 @@ class SPINTrainer(PreferenceTrainer):
         if k > 0 and not self._boundary_checkpoint(k).exists():
             self.save()  # a resumed run inside iteration k reads its reference from here
         self.reference.load_from(named_parameters(self.model))
+        self.engine.refit()  # a no-op for the megatron engine, which reads the live weights
         s = self.spin
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, greedy=s.greedy,
                                 max_new_tokens=s.max_new_tokens, seed=s.seed)
@@ -151,8 +152,9 @@ def run(cfg) -> None:
     prompts, truths = zip(*(split_sample(s.ids, s.loss_mask) for s in sft))
     # The model reads row positions (no packing), which is what the generation engine runs.
     model, optimizer, scheduler = wrap_for_training(build_gpt(m, vocab_size), m, cfg.optim)
-    engine = MegatronEngine(model, m, vocab_size, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                            tokenizer=tokenizer, max_batch_size=cfg.spin.generation_batch_size)
+    engine = build_engine(str(cfg.generation.backend), model, m, vocab_size, tokenizer,
+                          batch_size=cfg.spin.generation_batch_size, tokenizer_dir=cfg.tokenizer.path,
+                          checkpoint=m.pretrained)
     dpo = DPO(cfg.dpo)
     mode = cfg.reference.mode
     placeholder = spin_pairs(list(prompts), list(truths), list(truths), d.max_length)  # replaced at the first step

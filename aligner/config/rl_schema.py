@@ -7,6 +7,7 @@ from typing import Optional
 
 from omegaconf import MISSING
 
+from aligner.config.generation_schema import GenerationBackendConfig
 from aligner.config.schema import (CriticTrainConfig, LauncherConfig, OptimConfig, ReferenceConfig,
                                    ServeParallelConfig, TrainRunConfig)
 
@@ -144,8 +145,8 @@ class RLSamplingConfig:
 
 
 @dataclass
-class RLGenerationConfig:
-    decode: DecodeMode = DecodeMode.auto
+class RLGenerationConfig(GenerationBackendConfig):
+    decode: DecodeMode = DecodeMode.auto  # the megatron engine's decode path
     batch_size: int = 64  # prompts per generate call on each data-parallel replica
     check_refit: bool = False  # after each refit compare the engine's weights with the trainer's (refit/* metrics)
 
@@ -205,7 +206,10 @@ class PPOCriticConfig:
     save_timeout_s: float = 600.0  # critic_save / critic_load, which write or read the whole critic
     startup_timeout_s: float = 600.0  # the embedded service must be ready within this
     launcher: LauncherConfig = field(default_factory=LauncherConfig)  # its own ranks
-    parallel: ServeParallelConfig = field(default_factory=ServeParallelConfig)  # its own layout
+    # its own layout; by default the actor's (the model file's), as NeMo-Aligner runs its critic
+    parallel: ServeParallelConfig = field(default_factory=lambda: ServeParallelConfig(
+        tensor_model_parallel_size="${model.tensor_model_parallel_size}",  # type: ignore[arg-type]
+        pipeline_model_parallel_size="${model.pipeline_model_parallel_size}"))  # type: ignore[arg-type]
     trainer: CriticTrainConfig = field(default_factory=CriticTrainConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=0,
                                                                      weight_decay=0.0))

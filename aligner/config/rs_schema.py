@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from aligner.config.rl_schema import PromptDataConfig, RewardConfig, RLGenerationConfig, RLSamplingConfig
 from aligner.config.schema import TrainRunConfig
-from aligner.config.validate import ConfigError
+from aligner.config.validate import ConfigError, validate_generation_backend
 
 
 @dataclass
@@ -50,6 +50,7 @@ def validate_rs_sampling(cfg) -> None:
         raise ConfigError(f"reward.weights has {len(w.weights)} entries for {len(w.functions)} reward.functions")
     if w.workers < 1 or cfg.generation.batch_size < 1:
         raise ConfigError("reward.workers and generation.batch_size must be >= 1")
+    validate_generation_backend(cfg.generation.backend, cfg.generation.check_refit)
 
 
 def validate_rs(cfg) -> None:

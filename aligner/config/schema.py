@@ -11,6 +11,8 @@ from typing import Optional
 
 from omegaconf import MISSING
 
+from aligner.config.generation_schema import GenerationBackendConfig
+
 
 class ParamsDtype(StrEnum):
     float32 = "float32"
@@ -365,6 +367,7 @@ class SPINRunConfig(TrainRunConfig):
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     spin: SPINConfig = field(default_factory=SPINConfig)
+    generation: GenerationBackendConfig = field(default_factory=GenerationBackendConfig)
 
 
 @dataclass

@@ -83,6 +83,7 @@ def validate(cfg, world_size: int) -> None:
         if cfg.model.context_parallel_size > 1:
             raise ConfigError("SPIN generates with the training model, and generation does not run under context "
                               "parallelism: set model.context_parallel_size=1")
+        validate_generation_backend(cfg.generation.backend)
     if "rm" in cfg:
         loss = cfg.rm.loss
         if loss == "regression" and not cfg.rm.attributes:
@@ -114,6 +115,19 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError("data.packing=true needs the local layer spec (model.transformer_impl=local or auto on a "
                           "host without Transformer Engine)")
     validate_trackers(cfg.logging)
+
+
+def validate_generation_backend(backend: str, check_refit: bool = False) -> None:
+    """generation.backend=trtllm needs TensorRT-LLM on this host (looked up, not imported: importing it costs
+    seconds and touches the GPU; the ranks import it through aligner.runtime.optional.require)."""
+    if backend == "trtllm":
+        if importlib.util.find_spec("tensorrt_llm") is None:
+            raise ConfigError("generation.backend=trtllm needs TensorRT-LLM (the tensorrt_llm package), which is not "
+                              "installed here: run on the GPU image built from the Dockerfile (TensorRT-LLM's release "
+                              "container; not installable from PyPI), or use generation.backend=megatron")
+        if check_refit:
+            raise ConfigError("generation.check_refit compares the megatron engine's weights with the trainer's; "
+                              "TensorRT-LLM holds its own copy: set generation.check_refit=false")
 
 
 def validate_trackers(logging_cfg) -> None:
@@ -189,6 +203,7 @@ def validate_rl(cfg, dp: int) -> None:
         raise ConfigError("reward.workers must be >= 1")
     if cfg.generation.batch_size < 1:
         raise ConfigError("generation.batch_size must be >= 1")
+    validate_generation_backend(cfg.generation.backend, cfg.generation.check_refit)
 
 
 def validate_ppo(cfg) -> None:
@@ -214,11 +229,17 @@ def validate_ppo(cfg) -> None:
         mp = c.parallel.tensor_model_parallel_size * c.parallel.pipeline_model_parallel_size
         if mp < 1 or c.launcher.nproc_per_node % mp:
             raise ConfigError(f"critic.launcher.nproc_per_node={c.launcher.nproc_per_node} is not a multiple of "
-                              f"critic.parallel tensor x pipeline_model_parallel_size = {mp}")
-        heads = cfg.model.num_attention_heads
-        if heads % c.parallel.tensor_model_parallel_size:
-            raise ConfigError(f"critic.parallel.tensor_model_parallel_size={c.parallel.tensor_model_parallel_size} "
-                              f"does not divide the model's {heads} attention heads")
+                              f"critic.parallel tensor x pipeline_model_parallel_size = {mp} (by default the "
+                              f"model's layout); set critic.launcher.nproc_per_node={max(mp, 1)} or a smaller "
+                              f"critic.parallel.*")
+        m, ctp, cpp = cfg.model, c.parallel.tensor_model_parallel_size, c.parallel.pipeline_model_parallel_size
+        groups = m.num_query_groups or m.num_attention_heads
+        if m.num_attention_heads % ctp or groups % ctp:
+            raise ConfigError(f"critic.parallel.tensor_model_parallel_size={ctp} does not divide the model's "
+                              f"{m.num_attention_heads} attention heads and {groups} query groups")
+        if m.num_layers % cpp:
+            raise ConfigError(f"critic.parallel.pipeline_model_parallel_size={cpp} does not divide the model's "
+                              f"{m.num_layers} layers")
     else:  # reward.checkpoint then names the reward model the running service co-hosts (it scores)
         _host_port("critic.url", c.url)
 

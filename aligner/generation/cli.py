@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from aligner import errors
+from aligner.config.validate import validate_generation_backend
 from aligner.data.jsonl import read_token_sequences
 from aligner.data.steerlm import condition_ids, insert_condition, parse_condition
 from aligner.data.tokenizer import load_tokenizer
@@ -47,6 +48,7 @@ OVERRIDES = {  # key -> (type, default)
     "sampling.max_new_tokens": (int, 128),
     "sampling.seed": (int, 0),
     "batch_size": (int, 32),
+    "generation.backend": (str, "megatron"),  # megatron | trtllm (aligner/generation/backends.py)
     "decode": (str, "auto"),  # auto | lean | compiled | megatron (MegatronEngine's decode paths)
     "launcher.nproc_per_node": (int, 1),
     "model.tensor_model_parallel_size": (int, 1),
@@ -98,6 +100,9 @@ def parse_overrides(items: list[str]) -> dict:
         raise UsageError(f"decode={values['decode']}: expected one of {', '.join(DECODE_MODES)}")
     if values["decode"] == "compiled" and tp > 1:
         raise UsageError("decode=compiled needs model.tensor_model_parallel_size=1")
+    if values["generation.backend"] not in ("megatron", "trtllm"):
+        raise UsageError(f"generation.backend={values['generation.backend']}: expected megatron or trtllm")
+    validate_generation_backend(values["generation.backend"])
     return values
 
 
@@ -138,7 +143,7 @@ def run_generation(job: dict) -> None:
     """One rank: load the checkpoint under TP x PP, generate this data-parallel rank's share, rank 0 writes."""
     from megatron.core import parallel_state as ps
 
-    from aligner.generation.megatron_engine import MegatronEngine
+    from aligner.generation.backends import build_engine
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
 
@@ -162,15 +167,16 @@ def run_generation(job: dict) -> None:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = -(-len(prompts) // dp)
     mine = list(range(dp_rank * share, min(len(prompts), (dp_rank + 1) * share)))
-    eos = tokenizer.eos_token_id if tokenizer is not None else None
-    engine = MegatronEngine(model, model_cfg, vocab_size, eos_id=eos,
-                            pad_id=tokenizer.pad_token_id if tokenizer is not None else None,
-                            tokenizer=tokenizer, max_batch_size=values["batch_size"], decode=values["decode"])
+    engine = build_engine(values["generation.backend"], model, model_cfg, vocab_size, tokenizer,
+                          batch_size=values["batch_size"], decode=values["decode"],
+                          tokenizer_dir=model_dir / "tokenizer" if tokenizer is not None else None,
+                          checkpoint=model_dir)
     records = []
     # batch_size prompts per call, as the engine would batch them in one call: the same output, and
-    # a progress bar (or log summaries) of rank 0's share that moves per batch
+    # a progress bar (or log summaries) of rank 0's share that moves per batch. Every replica makes as
+    # many calls as the largest share needs (the last may be empty): TensorRT-LLM's calls are job-wide.
     with Progress(len(mine), unit="prompt", desc="generate", silent=dist.get_rank() != 0) as progress:
-        for start in range(0, len(mine), values["batch_size"]):
+        for start in range(0, share, values["batch_size"]):
             batch = mine[start:start + values["batch_size"]]
             rollout = engine.generate([prompts[i] for i in batch], params,
                                       seeds=[rng.derive_seed(params.seed, i) for i in batch])

@@ -95,7 +95,8 @@ def ipc_buckets(stream: WeightStream, device_uuid: str, to_handle) -> Iterable[d
 class TensorRTLLMEngine:
     """GenerationBackend on TensorRT-LLM. Built once from a Hugging Face directory (export the actor
     with `aligner convert mcore-to-hf` or `iter_hf_weights`), then refit from the weight stream.
-    Call `refit` on the rank that shares each TRT-LLM worker's GPU; rank 0 issues the RPCs."""
+    Build it on every rank (refit is collective); global rank 0 holds the LLM, generates and issues
+    the RPCs (`aligner.generation.backends.JobTensorRTLLM` routes every rank's prompts there)."""
 
     def __init__(self, hf_dir: str, tensor_parallel_size: int = 1, eos_id: Optional[int] = None, pad_id: int = 0,
                  max_batch_size: int = 256, max_seq_len: int = 4096, kv_cache_fraction: float = 0.5):
@@ -104,11 +105,13 @@ class TensorRTLLMEngine:
 
         self._trt = trt
         self.eos_id, self.pad_id = eos_id, pad_id
-        self.llm = trt.LLM(model=str(hf_dir), backend="pytorch", orchestrator_type="ray",
-                           ray_worker_extension_cls="tensorrt_llm.llmapi.rlhf_utils.WorkerExtension",
-                           tensor_parallel_size=tensor_parallel_size, enable_sleep=True,
-                           max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                           kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=kv_cache_fraction))
+        self.llm = None  # the other ranks only take part in refit
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            self.llm = trt.LLM(model=str(hf_dir), backend="pytorch", orchestrator_type="ray",
+                               ray_worker_extension_cls="tensorrt_llm.llmapi.rlhf_utils.WorkerExtension",
+                               tensor_parallel_size=tensor_parallel_size, enable_sleep=True,
+                               max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                               kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=kv_cache_fraction))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: Optional[Sequence[int]] = None) -> Rollout:

@@ -136,9 +136,13 @@ def memory_errors(cfg, result: dict, gpu: str) -> list[str]:
             fixes.append("optim.distributed_optimizer=true (shards the optimizer states over data-parallel ranks)")
         fixes.append("a larger model.tensor_model_parallel_size or model.pipeline_model_parallel_size")
         if c["actor"].get("activations_gib", 0) > 0.1 * need:
-            fixes.append("a smaller trainer.micro_batch_size" + (
-                " or model.sequence_parallel=true" if cfg.model.tensor_model_parallel_size > 1
-                and not cfg.model.sequence_parallel else ""))
+            smaller = [k for k, worth in (
+                ("a smaller trainer.micro_batch_size", cfg.trainer.micro_batch_size > 1),
+                ("model.sequence_parallel=true", cfg.model.tensor_model_parallel_size > 1
+                 and not cfg.model.sequence_parallel),
+                ("model.recompute=full (a third more compute)", cfg.model.recompute != "full"),
+                ("a shorter model.seq_length", True)) if worth]
+            fixes.append(" or ".join(smaller))
         if c.get("reference", {}).get("params_gib", 0) > 0:
             fixes.append("reference.mode=cpu_swap (its weights wait in host memory)")
         if c.get("generation", {}).get("kv_cache_gib", 0) > 0.1 * need:

@@ -67,7 +67,7 @@ def model_layout_errors(m, gpus: int, who: str = "model", tp: int | None = None,
     if cp > 1 and m.seq_length % (2 * cp):
         errors.append(f"model.seq_length={m.seq_length} is not a multiple of 2 x CP = {2 * cp}; round it up to "
                       f"{-(-m.seq_length // (2 * cp)) * 2 * cp}")
-    if m.sequence_parallel and tp == 1:
+    if who == "model" and m.sequence_parallel and tp == 1:  # the critic service runs without sequence parallelism
         errors.append("model.sequence_parallel=true needs model.tensor_model_parallel_size > 1; set it to false")
     return errors
 
