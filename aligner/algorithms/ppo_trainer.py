@@ -25,7 +25,6 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.algorithms import functional as F
@@ -34,6 +33,7 @@ from aligner.algorithms.preference_trainer import attach
 from aligner.algorithms.rl_samples import Sample
 from aligner.algorithms.rl_trainer import RLTrainer, Timings
 from aligner.runtime.preemption import Preempted
+from aligner.runtime import collectives
 
 
 class ServiceLost(Preempted):
@@ -142,16 +142,16 @@ class PPOTrainer(RLTrainer):
 
     def collect(self, samples: list[Sample], pending: list) -> tuple[torch.Tensor, list, float]:
         """(values [N, T], scores (None = unscored), the service's own seconds), on every rank."""
-        box = [None]
+        result = None
         if self.service is not None:
             try:
-                box = [self.service.collect(pending, samples)]
+                result = self.service.collect(pending, samples)
             except ConnectionError as e:
-                box = [str(e)]
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise ServiceLost(self.step, box[0])
-        values, scores, seconds = box[0]
+                result = str(e)
+        result = collectives.broadcast_object(result, src=0)
+        if isinstance(result, str):
+            raise ServiceLost(self.step, result)
+        values, scores, seconds = result
         return torch.as_tensor(values), scores, seconds
 
     def score_validation(self, samples: list[Sample]) -> None:
@@ -178,28 +178,28 @@ class PPOTrainer(RLTrainer):
         return self.service.critic.train(tokens, seq["returns"], seq["prev_values"], seq["mask"])
 
     def collect_critic_train(self, training) -> dict:
-        box = [{}]
+        result = {}
         if self.service is not None and training is not None:
             try:
-                box = [self.service.train_result(training)]
+                result = self.service.train_result(training)
             except ConnectionError as e:
-                box = [str(e)]
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise ServiceLost(self.step, box[0])
-        return box[0]
+                result = str(e)
+        result = collectives.broadcast_object(result, src=0)
+        if isinstance(result, str):
+            raise ServiceLost(self.step, result)
+        return result
 
     def save(self) -> None:
         """The critic's checkpoint for this step first, then the actor's (see the module doc)."""
-        box = [None]
+        lost = None
         if self.service is not None:
             try:
                 self.service.save(self.step)
             except ConnectionError as e:
-                box = [str(e)]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is not None:
-            raise ServiceLost(self.step - 1, box[0])
+                lost = str(e)
+        lost = collectives.broadcast_object(lost, src=0)
+        if lost is not None:
+            raise ServiceLost(self.step - 1, lost)
         super().save()
 
     # ---- per-token tables --------------------------------------------------------------------------------
@@ -224,8 +224,7 @@ class PPOTrainer(RLTrainer):
                     sample = mine[k]
                     table[rows[id(sample)], :len(sample.response_ids)] = row[:len(sample.response_ids)]
                     k += 1
-        dist.all_reduce(table)
-        return table
+        return collectives.all_reduce(table)
 
     def shaped_scores(self, samples: list[Sample]) -> torch.Tensor:
         """[N] the scores the token rewards get: standardised over the step's valid samples and clipped

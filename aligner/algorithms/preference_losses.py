@@ -5,13 +5,13 @@ batch) -> (loss sum, count, report sums)`; `preference_trainer.py` runs them."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.algorithms import functional as F
 from aligner.algorithms.preference_trainer import PreferenceAlgorithm, attach
 from aligner.algorithms.sequence_logprobs import logprob_sums
 from aligner.data.packing import with_response_mask
+from aligner.runtime import collectives
 
 
 # ---- DPO, ORPO, SimPO ----------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class KTO(PreferenceAlgorithm):
             batch["fraction_desirable"] = torch.tensor(desirable / len(samples))
         if ps.is_pipeline_last_stage():
             gap = sum(b["kl_gap"] for b in micro)
-            dist.all_reduce(gap, group=ps.get_data_parallel_group())  # the same on every CP/TP rank already
+            collectives.all_reduce(gap, group=ps.get_data_parallel_group())  # the same on every CP/TP rank already
             kl = F.kto_kl_estimate(gap, len(samples))
             attach(micro, "kl", [kl] * len(micro))
 

@@ -24,6 +24,7 @@ from aligner.data.packing import build_micro_batches
 from aligner.models import checkpoint
 from aligner.models.policy import build_policy
 from aligner.models.weight_swap import CpuWeights, copy_weights
+from aligner.runtime import collectives
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def reference_table(reference: Reference, dataset, sequences_of, micro_batch_siz
                    and ps.get_context_parallel_rank() == 0)
     if not contributes:
         table.zero_()
-    dist.all_reduce(table)
+    collectives.all_reduce(table)
     return table.cpu()
 
 
@@ -138,5 +139,5 @@ def cached_reference(run_dir: Path, split: str, dataset, reference: Reference, s
         tmp = path.with_suffix(".tmp")
         torch.save({"fingerprint": fingerprint, "values": values}, tmp)
         tmp.replace(path)
-    dist.barrier()
+    collectives.barrier()
     return dataset.with_reference(values.tolist())

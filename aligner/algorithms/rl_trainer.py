@@ -24,7 +24,6 @@ import time
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.algorithms import rl_samples
@@ -40,6 +39,7 @@ from aligner.data.loader import split_for_rank
 from aligner.generation import rng
 from aligner.generation.types import SamplingParams
 from aligner.models.forward_step import collect, make_forward_step
+from aligner.runtime import collectives
 
 
 class Timings(defaultdict):
@@ -172,8 +172,7 @@ class RLTrainer(Trainer):
         rollout = self.engine.generate([prompts[k // n].ids for k in mine], params,
                                        seeds=[rng.derive_seed(params.seed, first_id + k) for k in mine])
         part = (rollout.responses(), rollout.response_logprobs(), rollout.is_end.tolist())
-        parts = [None] * dp
-        dist.all_gather_object(parts, part, group=ps.get_data_parallel_group())
+        parts = collectives.all_gather_object(part, group=ps.get_data_parallel_group())
         responses, logprobs, ends = ([x for p in parts for x in p[i]] for i in range(3))
         return [Sample(prompts[k // n], r, lp, e) for k, (r, lp, e) in enumerate(zip(responses, logprobs, ends))]
 
@@ -190,13 +189,13 @@ class RLTrainer(Trainer):
 
     def apply_scores(self, samples: list[Sample], pending, timings: Timings | None = None) -> None:
         """Wait for the scores on rank 0, share them with every rank, set rewards and validity."""
-        box = [None]
+        scores = None
         if pending is not None:
-            box = [pending.result()]
+            scores = pending.result()
             if timings is not None:
                 timings["score"] += getattr(pending, "duration", 0.0)
-        dist.broadcast_object_list(box, src=0)
-        rl_samples.apply_scores(samples, box[0], self.a, self.params.max_new_tokens)
+        rl_samples.apply_scores(samples, collectives.broadcast_object(scores, src=0), self.a,
+                                self.params.max_new_tokens)
 
     # ---- log-probs and updates ------------------------------------------------------------------------
     def minibatches(self, samples: list) -> list[list]:
@@ -246,8 +245,7 @@ class RLTrainer(Trainer):
             where = {id(s): i for i, s in enumerate(samples)}
             for sample, value in zip(mine, per_sample):
                 kl[where[id(sample)]] = value
-        dist.all_reduce(kl)
-        return kl.tolist()
+        return collectives.all_reduce(kl).tolist()
 
     def update(self, micro: list[dict], length: int, samples: list[Sample]) -> dict:
         """ppo_epochs x minibatches optimizer steps; the summed reports as metrics."""
@@ -300,14 +298,14 @@ class RLTrainer(Trainer):
 
     def validation_functions(self, samples: list[Sample]) -> dict:
         """val/<name>/mean of each of `reward.val_functions` over the validation samples (every rank)."""
-        box = [{}]
+        scores = {}
         if self.val_scorer is not None:
             texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-            box = [self.val_scorer.submit_each([s.prompt.text for s in samples], texts,
-                                               [s.prompt.fields for s in samples]).result()]
-        dist.broadcast_object_list(box, src=0)
+            scores = self.val_scorer.submit_each([s.prompt.text for s in samples], texts,
+                                                 [s.prompt.fields for s in samples]).result()
+        scores = collectives.broadcast_object(scores, src=0)
         return {f"val/{name}/mean": sum(v for v in values if v is not None) / max(1, sum(v is not None for v in values))
-                for name, values in box[0].items()}
+                for name, values in scores.items()}
 
     def write_rollouts(self, samples: list[Sample]) -> None:
         if not self.is_logger or not self.a.log_rollouts:

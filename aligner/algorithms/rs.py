@@ -28,7 +28,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.algorithms.preference_losses import SFTObjective

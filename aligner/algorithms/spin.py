@@ -44,6 +44,7 @@ from aligner.models.gpt import build_gpt
 from aligner.models.policy import build_policy
 from aligner.models.training import wrap_for_training
 from aligner.runtime import distributed
+from aligner.runtime import collectives
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,7 @@ class SPINTrainer(PreferenceTrainer):
         mine = list(range(dp_rank * share, min(n, (dp_rank + 1) * share)))
         rollout = self.engine.generate([self.prompts[i] for i in mine], params,
                                        seeds=[rng.derive_seed(s.seed, k * n + i) for i in mine])
-        parts = [None] * dp
-        dist.all_gather_object(parts, rollout.responses(), group=ps.get_data_parallel_group())
+        parts = collectives.all_gather_object(rollout.responses(), group=ps.get_data_parallel_group())
         generations = [g for part in parts for g in part]
         self.train_data = spin_pairs(self.prompts, self.truths, generations, self.cfg.data.max_length)
         metrics = generation_metrics(self.truths, generations)
@@ -129,7 +129,7 @@ class SPINTrainer(PreferenceTrainer):
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(self.train_data, path.with_suffix(".partial"))
             path.with_suffix(".partial").replace(path)
-        dist.barrier()
+        collectives.barrier()
         self.iteration = k
         if self.is_logger:
             log.info("SPIN iteration %d: %d pairs, generation matches %.3f of the ground truth", k, n,

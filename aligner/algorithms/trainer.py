@@ -27,7 +27,7 @@ from aligner.errors import UserError
 from aligner.observe.metrics import MetricsLog
 from aligner.observe.progress import Progress
 from aligner.observe.report import write_report
-from aligner.runtime import preemption
+from aligner.runtime import collectives, preemption
 from aligner.runtime.seeding import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class Trainer:
         if latest is None:
             if self.cfg.model.pretrained:
                 checkpoint.load_weights(self.cfg.model.pretrained, self.model)
+                self.optimizer.reload_model_params()  # bf16: its fp32 main params still hold the initial weights
             return
         state, ranks = checkpoint.load_training_state(latest, self.model, self.optimizer)
         self.step = state["step"]
@@ -180,7 +181,7 @@ class Trainer:
             if self.step < t.max_steps and preemption.stop_agreed():
                 if saved_at != self.step:
                     self.save()
-                dist.barrier()  # no rank exits (and gets its peers killed) before the checkpoint is complete
+                collectives.barrier()  # no rank exits (and gets its peers killed) before the checkpoint is complete
                 preemption.shield_exit()
                 self._close(progress, metrics_log)
                 raise preemption.Preempted(self.step)

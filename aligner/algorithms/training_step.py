@@ -11,10 +11,10 @@ reports are summed over micro-batches and data- and context-parallel ranks, so t
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.models.forward_step import run_micro_batches
+from aligner.runtime import collectives
 
 
 def forward_backward(model, optimizer, forward_step, micro_batches: list[dict], seq_length: int) -> dict:
@@ -46,13 +46,11 @@ def sum_reports(reports: list[dict]) -> dict:
     if ps.is_pipeline_last_stage():
         keys = sorted(reports[0]) if reports else []
         vector = torch.stack([sum(r[k] for r in reports) for k in keys]) if keys else torch.zeros(0)
-        dist.all_reduce(vector, group=ps.get_data_parallel_group(with_context_parallel=True))
+        collectives.all_reduce(vector, group=ps.get_data_parallel_group(with_context_parallel=True))
         sums = dict(zip(keys, vector.tolist()))
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        box = [sums]
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
-        sums = box[0]
+        sums = collectives.broadcast_object(sums, src=ps.get_pipeline_model_parallel_last_rank(),
+                                            group=ps.get_pipeline_model_parallel_group())
     return sums
 
 

@@ -35,6 +35,7 @@ from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
 from aligner.models.gpt import build_gpt
 from aligner.observe.progress import Progress
 from aligner.runtime.cpu_memory import keep_freed_memory
+from aligner.runtime import collectives
 
 # megatron, and the modules that import it (the engine, runtime.distributed, runtime.seeding), are
 # imported inside run_generation: the CLI process imports this module before it launches ranks.
@@ -183,8 +184,7 @@ def run_generation(job: dict) -> None:
             records += response_records(rollout, tokenizer)
             progress.update(n=len(batch))
     first_of_replica = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dp_rank, records) if first_of_replica else None)
+    gathered = collectives.all_gather_object((dp_rank, records) if first_of_replica else None)
     if dist.get_rank() == 0:
         ordered = [r for _, part in sorted(p for p in gathered if p is not None) for r in part]
         out = Path(job["out"])

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from aligner.runtime import collectives
+
 
 @dataclass
 class StageLayout:
@@ -49,8 +51,7 @@ class StageLayout:
         if tp * pp == 1:
             return cls(1, 0, 1, 0, None, None, dist.get_rank() if dist.is_initialized() else 0, None, None)
         group = ps.get_model_parallel_group()
-        members = [None] * dist.get_world_size(group)
-        dist.all_gather_object(members, (pp_rank, tp_rank, dist.get_rank()), group=group)
+        members = collectives.all_gather_object((pp_rank, tp_rank, dist.get_rank()), group=group)
         sampler = next(rank for p, t, rank in members if p == pp - 1 and t == 0)
         return cls(tp, tp_rank, pp, pp_rank,
                    ps.get_pipeline_model_parallel_prev_rank() if pp_rank > 0 else None,
@@ -58,22 +59,20 @@ class StageLayout:
                    sampler, group, ps.get_tensor_model_parallel_group() if tp > 1 else None)
 
     def send_next(self, tensor: torch.Tensor) -> None:
-        dist.send(tensor.contiguous(), dst=self.next_rank)
+        collectives.send(tensor, dst=self.next_rank)
 
     def recv_prev(self, shape, dtype, device) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(buffer, src=self.prev_rank)
-        return buffer
+        return collectives.recv(torch.empty(shape, dtype=dtype, device=device), src=self.prev_rank)
 
     def from_sampler(self, tensor: torch.Tensor) -> torch.Tensor:
         """Broadcast `tensor` (same shape and dtype on every rank) from the sampler, in place."""
         if self.group is not None:
-            dist.broadcast(tensor, src=self.sampler, group=self.group)
+            collectives.broadcast(tensor, src=self.sampler, group=self.group)
         return tensor
 
     def tp_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:
-            dist.all_reduce(tensor, group=self.tp_group)
+            collectives.all_reduce(tensor, group=self.tp_group)
         return tensor
 
     def tp_all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -81,7 +80,6 @@ class StageLayout:
         if self.tp == 1:
             return tensor
         rows = tensor.reshape(-1, tensor.shape[-1])
-        parts = torch.empty((self.tp * rows.shape[0], rows.shape[1]), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(parts, rows.contiguous(), group=self.tp_group)
+        parts = collectives.all_gather_into_tensor(rows, group=self.tp_group)
         whole = parts.view(self.tp, *rows.shape).permute(1, 0, 2).reshape(rows.shape[0], -1)
         return whole.view(*tensor.shape[:-1], whole.shape[-1])

@@ -16,6 +16,7 @@ from megatron.core import parallel_state as ps
 
 from aligner.models import hf_weights as hw
 from aligner.models.gpt import layer_offset
+from aligner.runtime import collectives
 
 
 @torch.no_grad()
@@ -117,9 +118,6 @@ def compare_weights(engine_model, trainer_model, vocab_size: int | None = None) 
             worst = max(worst, (p.float() - q.float()).abs().max().item() if p.numel() else 0.0)
     stats = torch.tensor([1.0 - shared, unequal, worst], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        device = next(engine_model.parameters()).device
-        stats = stats.to(device)
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        stats = stats.cpu()
+        collectives.all_reduce(stats, op=collectives.ReduceOp.MAX)
     return {"shared": stats[0].item() == 0.0, "bitwise": stats[1].item() == 0.0,
             "max_abs_diff": stats[2].item(), "params": len(mine)}

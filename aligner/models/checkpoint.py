@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from aligner.errors import UserError
 from aligner.models import checkpoint_keys
+from aligner.runtime import collectives
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def _rank() -> int:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        collectives.barrier()
 
 
 def _collect_write_results_in_process() -> None:

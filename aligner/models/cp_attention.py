@@ -16,6 +16,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import MegatronModule
 
+from aligner.runtime import collectives
+
 
 class _AllGatherSequence(torch.autograd.Function):
     """all-gather along dim 0; backward sums the gradient over the group and keeps this rank's slice."""
@@ -23,14 +25,11 @@ class _AllGatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.rows = group, x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, 0)
+        return torch.cat(collectives.all_gather(x, group=group), 0)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        grad = collectives.all_reduce(grad.contiguous(), group=ctx.group)
         start = dist.get_rank(ctx.group) * ctx.rows
         return grad[start:start + ctx.rows], None
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from aligner.runtime import collectives
+
 
 def _tp_group():
     from megatron.core import parallel_state as ps
@@ -21,7 +23,7 @@ def _tp_group():
 
 def _all_reduce(t, op, group):
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
+        collectives.all_reduce(t, op=op, group=group)
     return t
 
 
@@ -141,10 +143,7 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int | None = N
     ids = ids + start
     if group is None or dist.get_world_size(group) == 1:
         return values, ids
-    size = dist.get_world_size(group)
-    all_values, all_ids = [torch.empty_like(values) for _ in range(size)], [torch.empty_like(ids) for _ in range(size)]
-    dist.all_gather(all_values, values.contiguous(), group=group)
-    dist.all_gather(all_ids, ids.contiguous(), group=group)
+    all_values, all_ids = collectives.all_gather(values, group=group), collectives.all_gather(ids, group=group)
     values, pick = torch.cat(all_values, -1).topk(k, dim=-1)
     return values, torch.cat(all_ids, -1).gather(-1, pick)
 

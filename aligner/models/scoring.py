@@ -35,6 +35,7 @@ from aligner.models.hf_convert import rank_main, run_ranks, single_process
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.sdpa_attention import use_fused_attention
 from aligner.runtime.distributed import device
+from aligner.runtime import collectives
 from aligner.runtime.seeding import seed_everything
 
 
@@ -157,7 +158,7 @@ def _to_rank0(local: torch.Tensor | None, rows: slice, total: int, trailing: tup
     full = torch.zeros((total, *trailing), dtype=torch.float32, device=device)
     if owner:
         full[rows] = local
-    dist.reduce(full, dst=0)
+    collectives.reduce(full, dst=0)
     return full if dist.get_rank() == 0 else None
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from aligner.runtime import cpu_shims
+from aligner.runtime import collectives, cpu_shims
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def shutdown() -> None:
     from megatron.core import parallel_state as ps
 
     if dist.is_initialized():
-        dist.barrier()
+        collectives.barrier()
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -107,8 +107,7 @@ class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         tensor = tensor.clone()
-        dist.all_reduce(tensor, group=group)
-        return tensor
+        return collectives.all_reduce(tensor, group=group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -130,11 +129,11 @@ def masked_global_mean_var(values: torch.Tensor, mask: torch.Tensor, group=None)
     valid = mask.bool()
     values = torch.where(valid, values.float(), 0.0)
     sum_count = torch.stack([values.sum(), valid.sum().float()])
-    dist.all_reduce(sum_count, group=group)
+    collectives.all_reduce(sum_count, group=group)
     count = sum_count[1].clamp(min=1)
     mean = sum_count[0] / count
     squares = torch.where(valid, values - mean, 0.0).pow(2).sum()
-    dist.all_reduce(squares, group=group)
+    collectives.all_reduce(squares, group=group)
     return mean, squares / count
 
 

@@ -90,14 +90,13 @@ def shield_exit() -> None:
 
 def stop_agreed() -> bool:
     """Whether any rank has been asked to stop. Collective over the default process group."""
-    import torch
+    import torch  # not at module level: the stop request is taken before torch is imported
     import torch.distributed as dist
+
+    from aligner.runtime import collectives
 
     local = _requested.is_set()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    flag = torch.tensor([int(local)], dtype=torch.int32)
+    return bool(collectives.all_reduce(flag, op=collectives.ReduceOp.MAX).item())

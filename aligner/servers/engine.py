@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.runtime import cpu_shims
+from aligner.runtime import collectives
 from aligner.runtime.distributed import device
 
 log = logging.getLogger(__name__)
@@ -32,20 +33,19 @@ class Broadcaster:
         """On rank 0: broadcast; returns the tensors as every rank holds them (on the device)."""
         tensors = {k: v.to(self.device).contiguous() for k, v in (tensors or {}).items()}
         if dist.get_world_size() > 1:
-            dist.broadcast_object_list([command, {k: (str(v.dtype), tuple(v.shape)) for k, v in tensors.items()}], src=0)
+            collectives.broadcast_object((command, {k: (str(v.dtype), tuple(v.shape)) for k, v in tensors.items()}), src=0)
             for value in tensors.values():
-                dist.broadcast(value, src=0)
+                collectives.broadcast(value, src=0)
         return tensors
 
     def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
         """On the other ranks: wait for rank 0's next broadcast."""
-        header = [None, None]
-        dist.broadcast_object_list(header, src=0)
+        command, header = collectives.broadcast_object(None, src=0)
         tensors = {}
-        for name, (dtype, shape) in header[1].items():
+        for name, (dtype, shape) in header.items():
             tensors[name] = torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")), device=self.device)
-            dist.broadcast(tensors[name], src=0)
-        return header[0], tensors
+            collectives.broadcast(tensors[name], src=0)
+        return command, tensors
 
 
 def follow(broadcaster: Broadcaster, handlers: dict[int, Callable[[dict], object]]) -> None:

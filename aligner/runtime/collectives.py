@@ -1,0 +1,146 @@
+"""Every torch.distributed collective of aligner goes through here (tests/unit test_collectives scans
+for direct calls), so that a GPU run can never hand NCCL a CPU tensor.
+
+Convention: a tensor is moved to its process group's device before the call (an NCCL group: the
+current CUDA device; a gloo group: the CPU; a group with both, "cpu:gloo,cuda:nccl", takes either and
+the tensor stays put) and results come back on the caller's device:
+- in-place operations (all_reduce, broadcast, reduce, recv) copy the result back into the caller's
+  tensor when it had to be moved, and return that tensor;
+- gathers return new tensors on the input's device.
+Object collectives take and return python objects (torch serialises them on the group's device).
+
+`record()` lists the calls this process makes, for tests that assert every rank makes the same ones
+(a rank that skips a collective its peers make hangs the job).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+_recording: list | None = None
+
+
+def device_kind(backend: str) -> str | None:
+    """"cuda" or "cpu" where a backend string (dist.get_backend) takes tensors of one device only;
+    None where it takes both ("cpu:gloo,cuda:nccl")."""
+    kinds = {part.split(":")[0] for part in backend.split(",") if ":" in part}
+    if kinds >= {"cpu", "cuda"}:
+        return None
+    if ":" in backend:  # a single "device:backend" entry
+        return kinds.pop()
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def group_device(group=None) -> torch.device | None:
+    kind = device_kind(str(dist.get_backend(group)))
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None if kind is None else torch.device("cpu")
+
+
+def _placed(tensor: torch.Tensor, group) -> torch.Tensor:
+    device = group_device(group)
+    if device is None or tensor.device == device:
+        return tensor.contiguous()
+    return tensor.to(device).contiguous()
+
+
+def _note(op: str, group, tensor: torch.Tensor | None = None) -> None:
+    if _recording is not None:
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+        shape = (tuple(tensor.shape), str(tensor.dtype)) if tensor is not None else None
+        _recording.append((op, ranks, shape))
+
+
+@contextlib.contextmanager
+def record() -> Iterator[list]:
+    """The (operation, group ranks, (shape, dtype) or None) of every call made inside the block."""
+    global _recording
+    previous, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = previous
+
+
+def _in_place(op: str, tensor: torch.Tensor, group, call) -> torch.Tensor:
+    _note(op, group, tensor)
+    work = _placed(tensor, group)
+    call(work)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> torch.Tensor:
+    return _in_place("all_reduce", tensor, group, lambda t: dist.all_reduce(t, op=op, group=group))
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """`src` is a global rank, as in torch.distributed."""
+    return _in_place("broadcast", tensor, group, lambda t: dist.broadcast(t, src=src, group=group))
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None) -> torch.Tensor:
+    return _in_place("reduce", tensor, group, lambda t: dist.reduce(t, dst=dst, op=op, group=group))
+
+
+def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on every rank), in group-rank order, on the input's device."""
+    _note("all_gather", group, tensor)
+    work = _placed(tensor, group)
+    parts = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, work, group=group)
+    return [p.to(tensor.device) for p in parts]
+
+
+def all_gather_into_tensor(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dim 0, in group-rank order, on the input's device."""
+    _note("all_gather_into_tensor", group, tensor)
+    work = _placed(tensor, group)
+    out = torch.empty((work.shape[0] * dist.get_world_size(group), *work.shape[1:]), dtype=work.dtype,
+                      device=work.device)
+    dist.all_gather_into_tensor(out, work, group=group)
+    return out.to(tensor.device)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    _note("send", group, tensor)
+    dist.send(_placed(tensor, group), dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    return _in_place("recv", tensor, group, lambda t: dist.recv(t, src=src, group=group))
+
+
+def barrier(group=None) -> None:
+    _note("barrier", group)
+    dist.barrier(group=group)
+
+
+def broadcast_object(obj: Any, src: int, group=None) -> Any:
+    """`obj` of global rank `src` on every rank of `group` (other ranks' `obj` is ignored)."""
+    _note("broadcast_object", group)
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group=None) -> list:
+    """Every rank's `obj`, in group-rank order."""
+    _note("all_gather_object", group)
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return parts
+
+
+def scatter_object(objs: list | None, src: int, group=None) -> Any:
+    """objs[i] (given on global rank `src`, one per group rank) on group rank i."""
+    _note("scatter_object", group)
+    out = [None]
+    dist.scatter_object_list(out, objs, src=src, group=group)
+    return out[0]
