@@ -113,3 +113,19 @@ def test_packed_sft_matches_padded(tiny_assets, tmp_path):
             assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5), name
             assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), name
             assert ours["loss_count"] == ref["loss_count"]
+
+
+def test_bf16_run_keeps_the_pretrained_weights_after_its_first_step(tiny_assets, rl_assets, tmp_path):
+    """bf16 training keeps fp32 copies of the weights in megatron's optimizer; loaded from model.pretrained
+    after the optimizer took them, they went back to the random initialisation at the first step (loss ~6.3
+    here instead of the SFT policy's). At lr 0 every step's loss equals the fp32 run's to bf16 rounding."""
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        run_dir = tmp_path / dtype
+        pretrained = rl_assets / "sft/checkpoints/step_000040"
+        assert_cli_ok(run_cli(*sft_args(tiny_assets, run_dir, f"model.pretrained={pretrained}",
+                                        f"model.params_dtype={dtype}", "trainer.max_steps=3", "optim.lr=0.0",
+                                        "optim.min_lr=0.0", "optim.warmup_steps=0", "optim.scheduler=constant",
+                                        "trainer.save_last=false", "logging.tensorboard=false")))
+        losses[dtype] = [m["loss"] for m in read_metrics(run_dir)]
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=2e-3), losses

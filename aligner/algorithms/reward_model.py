@@ -183,6 +183,7 @@ class RewardModelTrainer(Trainer):
     def resume(self) -> None:
         if checkpoint.latest_checkpoint(self.run_dir / "checkpoints") is None and self.cfg.model.pretrained:
             checkpoint.load_into_scalar_model(self.cfg.model.pretrained, self.model, self.head_meta["num_outputs"])
+            self.optimizer.reload_model_params()  # bf16: its fp32 main params still hold the initial weights
             return
         super().resume()
 

@@ -106,6 +106,7 @@ class Critic:
             self._load_state(resume)
         else:
             checkpoint.load_into_scalar_model(cfg.checkpoint, self.model, 1)
+            self.optimizer.reload_model_params()  # bf16: its fp32 main params still hold the initial weights
             log.info("critic initialised from %s", cfg.checkpoint)
         self.model.eval()
         self.resident = "critic"
