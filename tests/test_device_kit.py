@@ -1,0 +1,130 @@
+"""The device acceptance kit (bench/accept.py, scripts/device/): its dry run on this CPU, so that the kit
+cannot rot between loans of a GPU; `--only` reruns into an existing accept.json; a check past its time is
+ended and recorded as a timeout; the model-FLOPs formula by hand; the manifest and size check of the
+files the kit carries (scripts/device/manifest.py, on a temporary folder: no download)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from bench.accept_checks import CHECKS, train_flops_per_token
+from tests.conftest import REPO
+
+# What each check may end as on a CPU host
+DRY_STATUS = {"env": {"pass"}, "pytest_gpu": {"skipped"}, "sft": {"pass"}, "checkpoint": {"pass"},
+              "grpo": {"pass"}, "reinforce": {"pass"},
+              "ppo": {"pass", "skipped"},  # skipped without PyTriton
+              "generate": {"pass"}, "mfu": {"pass"},
+              "trl": {"pass", "skipped"}}  # skipped without the TRL peer baseline's scripts or trl
+
+
+def accept(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "bench/accept.py", "--dry-run", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("accept")
+    result = accept("--out", str(root / "out"), "--work", str(root / "work"), "--commit", "abc123")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return root
+
+
+def test_dry_run_records_every_check_with_its_figures(dry_run):
+    report = json.loads((dry_run / "out" / "accept.json").read_text())
+    assert report["dry_run"] is True and report["commit"] == "abc123" and report["device"] == "cpu (dry run)"
+    assert list(report["checks"]) == list(CHECKS) == list(DRY_STATUS)
+    for name, record in report["checks"].items():
+        assert record["status"] in DRY_STATUS[name], (name, record)
+        assert record["seconds"] > 0 and record["commit"] == "abc123", name
+        if record["status"] == "pass":
+            assert record["expected"] and record["measured"], name
+        else:
+            assert record["reason"], name
+    c = {name: record["measured"] for name, record in report["checks"].items()}
+    assert c["env"]["versions"]["megatron-core"].startswith("0.16") and c["env"]["doctor_exit"] == 0
+    assert c["pytest_gpu"]["failed"] == 0 and c["pytest_gpu"]["skipped"] >= 1
+    # the two "devices" are this CPU, so fp32 runs agree exactly; bf16 differs, within the gate
+    assert c["sft"]["cpu_vs_cuda_fp32_max_rel"] == 0.0 and c["sft"]["packed_vs_padded_max_rel"] <= 1e-5
+    assert 0.0 < c["sft"]["bf16_vs_fp32_max_rel"] <= 3e-2
+    for resume in ("cpu_to_cuda", "cuda_to_cpu", "cuda_to_cuda"):  # CPU -> CPU resume is bitwise
+        assert c["checkpoint"][resume]["max_rel"] == 0.0 and c["checkpoint"][resume]["first_step"] == 4
+    for rl in ("grpo", "reinforce"):
+        assert c[rl]["finite"] and 1.0 <= c[rl]["token_prob_error_max"] <= 1.1 and c[rl]["doctor_exit"] == 0
+    assert c["generate"]["logits_rel_diff"] <= 5e-2
+    assert [r["batch"] for r in c["generate"]["throughput"]] == [1, 4]
+    assert all(r["aligner_tokens_per_s"] > 0 and r["transformers_tokens_per_s"] > 0
+               for r in c["generate"]["throughput"])
+    assert c["mfu"]["steps"] == 3 and c["mfu"]["tokens_per_s"] > 0 and c["mfu"]["plan"]["fits"] is True
+    assert c["mfu"]["mfu"] == pytest.approx(c["mfu"]["tokens_per_s"] * c["mfu"]["flops_per_token"] / 50e9)
+    log = (dry_run / "out" / "accept.log").read_text()
+    assert all(f"===== {name}: " in log for name in CHECKS)
+
+
+def test_only_reruns_the_named_checks_into_the_same_report(dry_run):
+    path = dry_run / "out" / "accept.json"
+    report = json.loads(path.read_text())
+    report["checks"]["sft"]["kept"] = True
+    report["checks"]["pytest_gpu"]["status"] = "fail"
+    path.write_text(json.dumps(report))
+    result = accept("--out", str(dry_run / "out"), "--work", str(dry_run / "work"), "--only", "pytest_gpu",
+                    "--commit", "def456")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rerun = json.loads(path.read_text())
+    assert rerun["commit"] == "def456" and rerun["previous_commit"] == "abc123"
+    assert rerun["checks"]["pytest_gpu"]["status"] == "skipped" and rerun["checks"]["pytest_gpu"]["commit"] == "def456"
+    assert rerun["checks"]["sft"]["kept"] is True and rerun["checks"]["sft"]["commit"] == "abc123"
+    assert list(rerun["checks"]) == list(CHECKS)
+
+
+def test_a_check_past_its_time_is_ended_and_recorded_as_a_timeout(tmp_path):
+    """sft on a fresh work directory needs ~40 s here; a budget of 21 s ends it (and the runs it started)."""
+    result = accept("--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--only", "sft", "--budget", "21")
+    assert result.returncode == 1
+    record = json.loads((tmp_path / "out" / "accept.json").read_text())["checks"]["sft"]
+    assert record["status"] == "timeout" and "21 s" in record["reason"] and 21 <= record["seconds"] < 40
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert left == []
+
+
+def test_unknown_check_is_refused():
+    result = accept("--only", "nope")
+    assert result.returncode == 2 and "unknown check nope" in result.stderr
+
+
+def test_train_flops_per_token_by_hand():
+    """1 layer, hidden 4, 2 heads of dim 2 in 1 KV group, FFN 8, vocab 10, rows of 3 tokens. Weights a token
+    multiplies: q 4x4 + k 4x2 + v 4x2 + o 4x4 + FFN 3x4x8 + head 4x10 = 184, 2 FLOPs each; attention at the mean
+    context (3 + 1) / 2 = 2 keys: QK^T 2 heads x 2 dims x 2 keys and AV the same, 2 FLOPs per multiply-add = 32;
+    training = 3 x (368 + 32)."""
+    arch = {"num_layers": 1, "hidden_size": 4, "num_attention_heads": 2, "num_query_groups": 1, "ffn_hidden_size": 8,
+            "vocab_size": 10}
+    assert train_flops_per_token(arch, 3) == 1200
+
+
+def test_manifest_lists_every_file_and_checks_each_call(tmp_path):
+    folder = tmp_path / ".whl"
+    (folder / "core").mkdir(parents=True)
+    (folder / "ppo" / "sub").mkdir(parents=True)
+    files = {"core/a.whl": b"a" * 1000, "ppo/b.tar.xz": b"b" * 3000, "ppo/sub/c.py": b"print()\n"}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    limit = 3500 / 1024 ** 2  # MiB: the call core+ppo (4008 bytes) is over, core alone is not
+    run = [sys.executable, "scripts/device/manifest.py", str(folder), "--call", "one=core", "--call", "two=core,ppo",
+           "--limit-mib", str(limit)]
+    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 1 and "call two" in result.stdout and "OVER" in result.stdout.split("call two")[1]
+    rows = [line.split("\t") for line in (folder / "MANIFEST.tsv").read_text().splitlines()[1:]]
+    listed = {f"{g}/{p}": (int(n), digest) for g, p, n, digest in rows if g != "call"}
+    assert listed == {name: (len(data), hashlib.sha256(data).hexdigest()) for name, data in files.items()}
+    assert {p: int(n) for g, p, n, _ in rows if g == "call"} == {"one=core": 1000, "two=core,ppo": 4008}
+    assert subprocess.run(run[:-1] + ["1"], cwd=REPO, capture_output=True).returncode == 0
+    missing = subprocess.run(run[:3] + ["--call", "x=fp8"], cwd=REPO, capture_output=True, text=True)
+    assert missing.returncode == 2 and "no group folder fp8" in missing.stderr
