@@ -1,13 +1,12 @@
 """Every collective goes through aligner/runtime/collectives.py, which puts tensors on the group's
-device: an AST scan of the package, the device rule, and the module's conventions in a world of one."""
+device: an AST scan of the package, the device rule, and the module's conventions at world size 2 (gloo)."""
 import ast
+import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from aligner.runtime import collectives
-from tests.conftest import init_single_process
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aligner"
 COLLECTIVES = {
@@ -57,20 +56,23 @@ def test_the_device_of_a_backend(backend, kind):
     assert collectives.device_kind(backend) == kind
 
 
-def test_conventions_in_a_world_of_one():
-    init_single_process()
-    t = torch.tensor([1.0, 2.0])
-    with collectives.record() as calls:
-        assert collectives.all_reduce(t) is t  # in place, the caller's tensor returned
-        assert torch.equal(collectives.all_gather_into_tensor(torch.ones(2, 3)), torch.ones(2, 3))
-        parts = collectives.all_gather(torch.arange(3))
-        assert len(parts) == 1 and torch.equal(parts[0], torch.arange(3))
-        assert collectives.broadcast_object({"a": 1}, src=0) == {"a": 1}
-        assert collectives.all_gather_object("x") == ["x"]
-        assert collectives.scatter_object(["only"], src=0) == "only"
-    assert [(op, ranks) for op, ranks, _ in calls] == [
-        ("all_reduce", (0,)), ("all_gather_into_tensor", (0,)), ("all_gather", (0,)), ("broadcast_object", (0,)),
-        ("all_gather_object", (0,)), ("scatter_object", (0,))]
-    assert calls[0][2] == ((2,), "torch.float32")
-    collectives.all_reduce(t)
-    assert len(calls) == 6  # nothing is recorded outside the block
+def test_conventions_at_world_size_2(tmp_path):
+    from aligner.launch.local import launch
+
+    launch("tests.collectives_workers:conventions", [str(tmp_path)], 2, log_dir=tmp_path / "logs")
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
+    for r in (r0, r1):  # in-place results land in the caller's (non-contiguous) tensor, which is returned
+        assert r["all_reduce_is_input"] and r["all_reduce"] == [[0.0, 9.0], [3.0, 12.0], [6.0, 15.0]]
+        assert r["broadcast_is_input"] and r["broadcast"] == [[1.0] * 3] * 2
+        assert r["all_gather"] == [[0, 0], [1, 1]] and r["all_gather_into_tensor"] == [[0, 7], [1, 7]]
+        assert r["broadcast_object"] == {"from": 1} and r["all_gather_object"] == ["rank0", "rank1"]
+    assert r0["reduce"] == [2.0, 10.0] and r1["recv_is_input"] and r1["recv"] == [[1, 3], [2, 4]]
+    assert (r0["scatter_object"], r1["scatter_object"]) == ("a", "b")
+    both = [0, 1]
+    assert r0["calls"] == [
+        ["all_reduce", both, [[3, 2], "torch.float32"]], ["broadcast", both, [[2, 3], "torch.float32"]],
+        ["reduce", both, [[2], "torch.float32"]], ["all_gather", both, [[2], "torch.int64"]],
+        ["all_gather_into_tensor", both, [[1, 2], "torch.int64"]], ["send", both, [[2, 2], "torch.int64"]],
+        ["broadcast_object", both, None], ["all_gather_object", both, None], ["scatter_object", both, None],
+        ["barrier", both, None]]
+    assert r1["calls"][5] == ["recv", both, [[2, 2], "torch.int64"]]
