@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aligner.generation.trtllm_engine import (TensorRTLLMEngine, ipc_buckets, rollout_from_outputs,
-                                              sampling_kwargs)
+from aligner.generation.trtllm_engine import (TensorRTLLMEngine, rollout_from_outputs, sampling_kwargs,
+                                              send_weight_stream)
 from aligner.generation.types import SamplingParams
 from aligner.runtime.optional import MissingOptionalDependency, probe
 
@@ -38,10 +38,13 @@ def test_outputs_become_a_rollout():
     assert rollout.stop_reason == ["eos", "length", "stop_token", "stop_string"]
 
 
-def test_ipc_buckets_skip_empty_buckets_and_keep_names():
-    stream = [{"a": torch.zeros(1)}, {}, {"b": torch.ones(2), "c": torch.ones(3)}]
-    payloads = list(ipc_buckets(stream, "GPU-x", lambda t: t.numel()))
-    assert payloads == [{"GPU-x": [("a", 1)]}, {"GPU-x": [("b", 2), ("c", 3)]}]
+def test_send_weight_stream_hands_over_contiguous_tensors_and_finishes():
+    # one process (across ranks: tests/test_weight_stream_collectives.py); an empty bucket is no update
+    stream = [{"a": torch.zeros(1)}, {}, {"b": torch.ones(2, 3).t(), "c": torch.ones(3)}]
+    updates = []
+    buckets = send_weight_stream(stream, "GPU-x", "cpu", lambda t: (t.numel(), t.is_contiguous()), updates.append)
+    assert buckets == 3
+    assert updates == [{"GPU-x": [("a", (1, True))]}, {"GPU-x": [("b", (6, True)), ("c", (3, True))]}, None]
 
 
 @pytest.mark.skipif(probe("tensorrt_llm").importable, reason="TensorRT-LLM is importable here")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from aligner.generation import rng
 from aligner.generation.types import GenerationBackend, Rollout, SamplingParams, WeightStream
+from aligner.runtime import collectives
 
 # the megatron engine and TensorRT-LLM are imported where they are used: one backend never imports the other.
 
@@ -106,8 +107,7 @@ def generate_on_rank0(engine, prompts: list[list[int]], params: SamplingParams, 
     `engine` generates every replica's prompts in one call (the other ranks' `engine` is not used), and each
     rank gets its replica's rollout back."""
     replica, first = _replica()
-    requests = [None] * dist.get_world_size()
-    dist.all_gather_object(requests, (replica, prompts, seeds) if first else (replica, None, None))
+    requests = collectives.all_gather_object((replica, prompts, seeds) if first else (replica, None, None))
     answers = None
     if dist.get_rank() == 0:
         asked = {r: (p, s) for r, p, s in requests if p is not None}
@@ -121,9 +121,7 @@ def generate_on_rank0(engine, prompts: list[list[int]], params: SamplingParams, 
             parts[r] = _rows(rollout, start, start + len(asked[r][0]))
             start += len(asked[r][0])
         answers = [parts[r] for r, _, _ in requests]
-    mine = [None]
-    dist.scatter_object_list(mine, answers, src=0)
-    return mine[0]
+    return collectives.scatter_object(answers, src=0)
 
 
 def export_hf(model, model_cfg, vocab_size: int, out_dir, tokenizer_dir=None, checkpoint=None) -> None:

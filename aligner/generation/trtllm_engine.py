@@ -8,16 +8,16 @@ the RL worker extension `tensorrt_llm.llmapi.rlhf_utils.WorkerExtension`, whose 
 The TensorRT *engine* refit path is not used: it was removed upstream (PyTorch is TRT-LLM's only
 backend on main).
 
-What was exercised where: the pure functions here (`sampling_kwargs`, `rollout_from_outputs`,
-`ipc_buckets` bookkeeping) run in the CPU test suite. Starting the engine, generating and
-`update_weights` were NOT exercised in this project's workplace: TensorRT-LLM cannot be installed
-on the CPU CI machines (PyPI only hosts a stub) nor carried to the lent GPU machine. Treat this
-backend as untested until it has run on a GPU image with TensorRT-LLM, and compare its rollouts
-with the Megatron engine there (`mismatch/*` metrics).
+What was exercised where: the pure functions here (`sampling_kwargs`, `rollout_from_outputs`) and
+`send_weight_stream`'s collective protocol (with a stand-in for the IPC handle) run in the CPU test
+suite. Starting the engine, generating and `update_weights` were NOT exercised in this project's
+workplace: TensorRT-LLM cannot be installed on the CPU CI machines (PyPI only hosts a stub) nor
+carried to the lent GPU machine. Treat this backend as untested until it has run on a GPU image with
+TensorRT-LLM, and compare its rollouts with the Megatron engine there (`mismatch/*` metrics).
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from aligner.generation.types import (STOP_EOS, STOP_LENGTH, STOP_STRING, STOP_TOKEN, Rollout, SamplingParams,
                                       WeightStream)
+from aligner.runtime import collectives
 from aligner.runtime.optional import require
 
 # tensorrt_llm is imported inside the engine's methods: it is an optional dependency (GPU images only).
@@ -84,12 +85,38 @@ def rollout_from_outputs(outputs: Sequence, prompts: list[list[int]], params: Sa
                    pad_id=pad_id)
 
 
-def ipc_buckets(stream: WeightStream, device_uuid: str, to_handle) -> Iterable[dict]:
-    """One `update_weights` payload per bucket: {device_uuid: [(name, handle), ...]}. `to_handle`
-    turns a CUDA tensor into an IPC handle (torch.multiprocessing.reductions.reduce_tensor)."""
+def send_weight_stream(stream: WeightStream, device_uuid: str, device, to_handle, update) -> int:
+    """Collective over every rank (a world of one without torch.distributed): `stream` into the engine
+    through IPC handles, a bucket at a time; returns the number of buckets.
+
+    Every rank iterates its own stream (all of the same length, some buckets empty on some ranks) and
+    makes exactly one object all-gather per bucket of its payload {device_uuid: [(name, handle), ...]}
+    ({} for an empty bucket); rank 0 passes the merged payloads to `update` (TensorRT-LLM's
+    `update_weights`, skipped when they are all empty), then `update(None)` to finish, and a barrier
+    closes the exchange. `to_handle` (`reduce_tensor`) makes a handle of a contiguous tensor on `device`.
+    A handle does not keep its tensor alive: each rank holds a bucket's tensors until the next bucket's
+    gather (which rank 0 joins only once `update` has returned) or the closing barrier."""
+    distributed = dist.is_initialized()
+    lead = not distributed or dist.get_rank() == 0
+    buckets, held = 0, []
     for bucket in stream:
-        if bucket:
-            yield {device_uuid: [(name, to_handle(tensor)) for name, tensor in bucket.items()]}
+        shared = [(name, tensor.to(device).contiguous()) for name, tensor in bucket.items()]
+        payload = {device_uuid: [(name, to_handle(tensor)) for name, tensor in shared]} if shared else {}
+        parts = collectives.all_gather_object(payload) if distributed else [payload]
+        held = shared  # the previous bucket's handles have been read (see above)
+        merged = {}
+        for part in parts:
+            for uuid, handles in part.items():
+                merged.setdefault(uuid, []).extend(handles)
+        if lead and merged:
+            update(merged)
+        buckets += 1
+    if lead:
+        update(None)
+    if distributed:
+        collectives.barrier()
+    del held  # the last bucket's tensors, kept until the barrier
+    return buckets
 
 
 class TensorRTLLMEngine:
@@ -121,20 +148,14 @@ class TensorRTLLMEngine:
         return rollout_from_outputs(outputs, prompts, params, self.eos_id, self.pad_id)
 
     def refit(self, weight_stream: Optional[WeightStream] = None) -> None:
+        """Collective over every rank (`send_weight_stream`)."""
         if weight_stream is None:
             raise ValueError("TensorRT-LLM holds its own copy of the weights: refit needs a weight stream")
         from tensorrt_llm._torch.utils import get_device_uuid
 
-        uuid = get_device_uuid(torch.cuda.current_device())
-        for payload in ipc_buckets(weight_stream, uuid, lambda t: reduce_tensor(t.cuda().contiguous())):
-            parts = [None] * dist.get_world_size() if dist.is_initialized() else [payload]
-            if dist.is_initialized():
-                dist.all_gather_object(parts, payload)
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                merged = {k: v for part in parts for k, v in part.items()}
-                self.llm._collective_rpc("update_weights", args=(merged,))
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            self.llm._collective_rpc("update_weights", args=(None,))  # finalise the reload cycle
+        index = torch.cuda.current_device()
+        send_weight_stream(weight_stream, get_device_uuid(index), torch.device("cuda", index), reduce_tensor,
+                           lambda payload: self.llm._collective_rpc("update_weights", args=(payload,)))
 
     def sleep(self) -> None:
         self.llm._collective_rpc("sleep", args=(list(MEMORY_TAGS),))

@@ -1,13 +1,22 @@
 """Stream a (TP/PP-sharded) megatron GPT as full Hugging Face tensors, a bucket at a time.
 
-`iter_hf_weights` is collective: every rank of the model-parallel job calls it and iterates it
-to the end in step. It walks the model in HF order (embedding, layer 0..L-1, final norm, head);
-for each parameter the owning pipeline stage all-gathers it over tensor parallelism (data- and
-context-parallel replica 0 only), converts it to HF tensors, and the stage's TP-rank-0 sends it
-to global rank 0 (or, with `all_ranks=True`, broadcasts it over its pipeline group to every rank).
-At most one bucket of full tensors exists at a time, so exporting or refitting a 70B model never
-needs a second full copy. Every rank yields the same number of buckets; ranks that are not
-receivers get empty dicts, so callers may run their own collectives per bucket.
+`iter_hf_weights` is collective: every rank of the job calls it and iterates it to the end in step.
+It walks the model in HF order (embedding, layer 0..L-1, final norm, head) and every rank makes the
+same collective calls, in the same order and with the same shapes, whatever it holds, so that no rank
+can wait on a call its peers skip. For each parameter, owned by pipeline stage s:
+  1. (PP > 1) stage s broadcasts its TP shard over each pipeline group: every stage now holds that
+     shard, in the TP column it belongs to (a replicated parameter: the whole, from each column);
+  2. (TP > 1, a TP-split parameter) every stage all-gathers the shards over its TP group.
+Every rank then has the full tensor; the receivers (global rank 0, or every rank with
+`all_ranks=True`) convert it to HF tensors and keep it in the bucket, the others drop it at once.
+Every data-/context-parallel replica does the same within its own groups.
+The cost over the minimum, when only rank 0 needs the tensors: the other stages' TP gathers and the
+other replicas' calls, all concurrent with rank 0's own on links that would otherwise be idle; the
+pipeline hop carries 1/TP of each tensor per TP column instead of the whole tensor on one.
+At most one bucket of full tensors exists at a time (plus one parameter's on the other ranks), so
+exporting or refitting a 70B model never needs a second full copy. Every rank yields the same number
+of buckets; ranks that are not receivers get empty dicts, so callers may run their own collectives
+per bucket.
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.models import hf_weights as hw
+from aligner.runtime import collectives
 
 DEFAULT_BUCKET_BYTES = 1 << 30
 
@@ -70,7 +80,6 @@ class _Layout:
     tp: int
     tp_rank: int
     pp_rank: int
-    replica0: bool  # data- and context-parallel rank 0
     tp_group: object
     pp_group: object
     pp_ranks: tuple  # global ranks of this rank's pipeline group, by stage
@@ -81,9 +90,8 @@ class _Layout:
         pp_ranks = tuple(dist.get_process_group_ranks(pp_group)) if ps.get_pipeline_model_parallel_world_size() > 1 \
             else (dist.get_rank(),)
         return cls(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                   pp_rank=ps.get_pipeline_model_parallel_rank(),
-                   replica0=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
-                   tp_group=ps.get_tensor_model_parallel_group(), pp_group=pp_group, pp_ranks=pp_ranks)
+                   pp_rank=ps.get_pipeline_model_parallel_rank(), tp_group=ps.get_tensor_model_parallel_group(),
+                   pp_group=pp_group, pp_ranks=pp_ranks)
 
 
 @torch.no_grad()
@@ -114,37 +122,39 @@ def iter_hf_weights(model, model_cfg, vocab_size: int, dtype: torch.dtype | str 
                 yield bucket
                 bucket, bucket_size = {}, 0
             bucket_size += size
-            full = _full_tensor(name, local.get(name), stage, layout, g, dtype, device, all_ranks)
+            full = _full_tensor(name, local.get(name), stage, layout, g, dtype, device)
             if receiver:
                 bucket.update(hw.to_hf(name, full, g))
     yield bucket
 
 
-def _full_tensor(name, param, stage, layout: _Layout, g, dtype, device, all_ranks):
-    """The full (TP-gathered) tensor of a parameter of pipeline stage `stage`, on the receivers
-    (rank 0, or every rank with `all_ranks`); None or a stale value elsewhere."""
-    owner = layout.pp_rank == stage and (layout.replica0 or all_ranks)
-    full = None
-    if owner:
+def _gathered(name: str, g: hw.Geometry, tp: int) -> bool:
+    """Whether the parameter is split over TP (the scalar head is replicated)."""
+    scalar_head = g.score_outputs and name == "output_layer.weight"
+    return tp > 1 and hw.split_rule(name) is not None and not scalar_head
+
+
+def _part_shape(name: str, g: hw.Geometry, tp: int) -> tuple[int, ...]:
+    """The shape of one TP rank's part of a parameter."""
+    shape = list(hw.full_shape(name, g))
+    if _gathered(name, g, tp):
+        rule = hw.split_rule(name)
+        shape[0 if rule == "glu" else rule] //= tp
+    return tuple(shape)
+
+
+def _full_tensor(name, param, stage, layout: _Layout, g, dtype, device) -> torch.Tensor:
+    """The full (TP-gathered) tensor of a parameter of pipeline stage `stage`, on every rank; the
+    calls (module doc) depend only on the name, the geometry and the layout, never on `param`."""
+    shape = _part_shape(name, g, layout.tp)
+    if layout.pp_rank == stage:
         part = param.detach().to(dtype).contiguous()
-        scalar_head = g.score_outputs and name == "output_layer.weight"  # replicated over TP
-        if layout.tp > 1 and hw.split_rule(name) is not None and not scalar_head:
-            parts = [torch.empty_like(part) for _ in range(layout.tp)]
-            dist.all_gather(parts, part, group=layout.tp_group)
-            full = hw.unshard(name, parts)
-        else:
-            full = part
-    if len(layout.pp_ranks) == 1 or (stage == 0 and not all_ranks):
-        return full  # rank 0 owns stage 0
-    if all_ranks:
-        if full is None:
-            full = torch.empty(hw.full_shape(name, g), dtype=dtype, device=device)
-        dist.broadcast(full, src=layout.pp_ranks[stage], group=layout.pp_group)
-        return full
-    if owner and layout.tp_rank == 0:  # the (tp 0, replica 0) chain of stages is rank 0's pipeline group
-        dist.send(full, dst=0)
-    elif dist.get_rank() == 0:
-        full = torch.empty(hw.full_shape(name, g), dtype=dtype, device=device)
-        dist.recv(full, src=layout.pp_ranks[stage])
-        return full
-    return None
+        if tuple(part.shape) != shape:
+            raise RuntimeError(f"{name}: local shape {tuple(part.shape)}, the layout expects {shape}")
+    else:
+        part = torch.empty(shape, dtype=dtype, device=device)
+    if len(layout.pp_ranks) > 1:
+        collectives.broadcast(part, src=layout.pp_ranks[stage], group=layout.pp_group)
+    if not _gathered(name, g, layout.tp):
+        return part
+    return hw.unshard(name, collectives.all_gather(part, group=layout.tp_group))
