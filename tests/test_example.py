@@ -30,6 +30,9 @@ def test_tiny_example_runs_end_to_end(tmp_path):
     val = [m["val/loss"] for m in sft if "val/loss" in m]
     assert len(sft) == 300 and val[-1] < val[0] and sft[-1]["loss"] < sft[0]["loss"] / 2
     assert rm[-1]["val/accuracy"] > 0.55 and dpo[-1]["val/accuracy"] > 0.55  # chance is 0.5
+    # DPO's 100 steps: held-out accuracy 0.70 and 0.64 (seeds 1, 2) and its loss below chance's ln 2 (0.651, 0.663);
+    # 30 steps left it at 0.547 on one host, inside the 64 validation pairs' noise
+    assert dpo[-1]["val/loss"] < 0.6931
     generations = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
     assert len(generations) == 8 and all(g["response_ids"] for g in generations)
     assert "DPO policy, greedy" in result.stdout

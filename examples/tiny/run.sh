@@ -36,9 +36,9 @@ aligner train rm run_dir=$T/rm model.pretrained=$SFT data.train_path=$T/pref_tra
   trainer.micro_batch_size=32 optim.lr=3e-4 optim.min_lr=3e-5 rm.center_coef=0.1 "${common[@]}"
 
 aligner train dpo run_dir=$T/dpo model.pretrained=$SFT data.train_path=$T/pref_train.jsonl \
-  data.val_path=$T/pref_val.jsonl trainer.max_steps=30 trainer.val_interval=30 optim.lr=5e-4 optim.min_lr=5e-5 "${common[@]}"
+  data.val_path=$T/pref_val.jsonl trainer.max_steps=100 trainer.val_interval=100 optim.lr=5e-4 optim.min_lr=5e-5 "${common[@]}"
 
-aligner generate --model $T/dpo/checkpoints/step_000030 --prompts $T/prompts.jsonl --out $T/generations.jsonl \
+aligner generate --model $T/dpo/checkpoints/step_000100 --prompts $T/prompts.jsonl --out $T/generations.jsonl \
   sampling.greedy=true sampling.max_new_tokens=12
 
 # PPO: the reward model above scores, served with the critic (initialised from it) by the service this run starts;
