@@ -11,6 +11,9 @@ The checks, in order (bench/accept_checks.py holds each, its sizes and its gates
   sft         20 steps from the same converted weights: CPU fp32 vs CUDA fp32 (relative loss difference <= 1e-3 at
               every step), CUDA bf16 (finite, within 3e-2), packed vs padded
   checkpoint  a step-10 checkpoint resumed CPU -> CUDA, CUDA -> CPU and CUDA -> CUDA, against the uninterrupted runs
+  te          Transformer Engine: the spec transformer_impl=auto builds and why, each spec's checkpoint keys, and
+              checkpoints across specs (converted and local into TE, TE into local, TE resumed); without TE
+              on a CUDA host, skipped after the same loads with the local spec standing in
   grpo        10 steps, bf16: finite metrics, mismatch/token_prob_error <= 1.1, `aligner doctor` exits 0
   reinforce   the same with algorithm.kl.mode=reward
   ppo         5 steps with the critic service, when PyTriton is installed (a second call carries it)

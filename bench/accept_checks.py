@@ -9,6 +9,7 @@ tiny sizes); speed and GPU-memory gates only on a GPU.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -55,6 +56,10 @@ BF16_VS_FP32 = 3e-2
 PACKED_VS_PADDED = 1e-3
 SAME_DEVICE_RESUME = 1e-5
 TOKEN_PROB_ERROR_MAX = 1.1
+# fp32 logits of the TE spec against the local spec on the same weights. Not 1e-4: TE runs fp32 GEMMs in TF32
+# (cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32), and rounding only the tiny model's matrices to TF32 already moves its
+# logits by 5.3e-4 (CPU); weights that did not load move them by ~1.4
+TE_VS_LOCAL_FP32 = 5e-3
 HF_LOGITS_REL = 5e-2  # bf16 megatron vs bf16 transformers on the same weights
 GENERATE_RATIO_MIN = 1.0  # aligner's engine over transformers' generate
 MFU_MIN = 0.2
@@ -359,6 +364,225 @@ def checkpoint(ctx: Context) -> dict:
     return ctx.judge(conditions)
 
 
+# ---- te: Transformer Engine's layer spec, and checkpoints across the two specs -------------------------------
+# a layer's Transformer Engine modules, each with its extra state (FP8 metadata)
+TE_LAYER_MODULES = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
+                    "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def expected_spec_line(cuda: bool, te) -> str:
+    """The line `model.transformer_impl=auto` must log on a host with (`cuda`) or without a CUDA device, given
+    `probe("transformer_engine")`'s finding `te`."""
+    if not cuda:
+        return "layer spec: local (no CUDA device)"
+    if te.importable:
+        return "layer spec: transformer_engine (CUDA + TE importable)"
+    if not te.installed:
+        return "layer spec: local (transformer_engine not installed)"
+    return (f"layer spec: local (transformer_engine is installed but does not import: {te.reason}; fix the TE "
+            f"install, or set model.transformer_impl=local to choose the local spec)")
+
+
+class LogLines(logging.Handler):
+    """The messages that `logger` logs from now on, INFO and up."""
+
+    def __init__(self, logger: str):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        logging.getLogger(logger).setLevel(logging.INFO)
+        logging.getLogger(logger).addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def spec_model(cfg, vocab: int, impl: str, seed: int):
+    """The converted weights' architecture with `impl`'s layer spec, its weights drawn from `seed`."""
+    from omegaconf import OmegaConf
+
+    from aligner.models.gpt import build_gpt
+    from aligner.runtime.seeding import seed_everything
+
+    seed_everything(seed)
+    return build_gpt(OmegaConf.merge(cfg, {"transformer_impl": impl}), vocab)
+
+
+def spec_weights(model) -> dict:
+    """A copy of `model`'s parameters under their TE-spec names (the local spec's through te_state_dict_name)."""
+    from aligner.models.checkpoint import unwrap
+    from aligner.models.checkpoint_keys import te_state_dict_name
+
+    return {te_state_dict_name(n): p.detach().clone() for n, p in unwrap(model).named_parameters()}
+
+
+def spec_logits(model, ids):
+    """fp32 logits of `ids` (no padding, causal), on the CPU."""
+    import torch
+
+    from aligner.models.checkpoint import unwrap
+
+    inner = unwrap(model).eval()
+    device = next(inner.parameters()).device
+    positions = torch.arange(ids.shape[1], device=device).expand(ids.shape[0], -1)
+    with torch.no_grad():
+        return inner(ids.to(device), positions, None)[..., :inner.true_vocab_size].float().cpu()
+
+
+def with_optimizer(model, cfg):
+    """(DDP-wrapped model, megatron's Adam) as the trainers make them, at a constant lr of 1e-3."""
+    from omegaconf import OmegaConf
+
+    from aligner.config.schema import OptimConfig
+    from aligner.models.training import wrap_for_training
+
+    optim = OmegaConf.structured(OptimConfig(lr=1e-3, warmup_steps=0, decay_steps=1, scheduler="constant"))
+    ddp, optimizer, _ = wrap_for_training(model, cfg, optim)
+    return ddp, optimizer
+
+
+def trained_checkpoint(path: Path, model, cfg, vocab: int) -> Path:
+    """One optimizer step on `model` (seeded gradients), then a checkpoint of it with its optimizer state."""
+    import torch
+
+    from aligner.models.checkpoint import save_checkpoint
+
+    ddp, optimizer = with_optimizer(model, cfg)
+    generator = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.main_grad.copy_(torch.randn(p.shape, generator=generator))
+    if not optimizer.step()[0]:
+        raise RuntimeError("the optimizer step was skipped")
+    return save_checkpoint(path, ddp, cfg, vocab, optimizer=optimizer, trainer_state={"step": 1})
+
+
+def requested_vs_saved(path: Path, model) -> tuple[list[str], list[str]]:
+    """megatron's own account of loading `model`'s weights from checkpoint `path`, before any rule of ours: the
+    keys the model requests that the checkpoint lacks, and the checkpoint's model keys it does not request."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from aligner.models.checkpoint import unwrap
+
+    _, left_over, absent = dist_checkpointing.load({"model": unwrap(model).sharded_state_dict()},
+                                                   str(path / "weights"), strict=StrictHandling.RETURN_ALL)
+    return sorted(absent), sorted(k for k in left_over if not k.startswith("optimizer."))
+
+
+def load_report(path: Path, model, load, weights: dict, logits, ids) -> dict:
+    """`load()` (aligner's load of `path` into `model`), then what it gave: the parameters that differ from
+    `weights`, the logits' relative difference from `logits`, and megatron's key account of the load."""
+    load()
+    now = spec_weights(model)
+    differ = sorted(k for k in weights.keys() | now.keys()
+                    if k not in now or k not in weights or not now[k].equal(weights[k].to(now[k].device)))
+    ours = spec_logits(model, ids)
+    absent, left_over = requested_vs_saved(path, model)  # after the load: megatron's load writes in place
+    return {"weights_differ": differ, "logits_rel": ((ours - logits).norm() / logits.norm()).item(),
+            "absent": absent, "left_over": left_over}
+
+
+def te(ctx: Context) -> dict:
+    """Transformer Engine's layer spec: which spec `model.transformer_impl=auto` builds and the line that says
+    why; the checkpoint keys and extra state the TE spec has against the local spec's; then four loads:
+    `aligner convert`'s output and a local checkpoint into the TE spec, a TE checkpoint into the local spec
+    and, with its optimizer (load_training_state), into the TE spec again. Each load: every weight equal
+    (through the names' mapping), fp32 logits within TE_VS_LOCAL_FP32 across specs, and in megatron's own
+    account nothing absent or left over but the TE extra state the strictness rule lets through
+    (aligner/models/checkpoint_keys.py). Without TE on a CUDA host (the dry run's CPU, the lent GPUs' image),
+    the local spec stands in for TE's: the spec `auto` picks and why are checked, the four loads are a local
+    checkpoint's round trips through the same rule (and exercise this code), and the check reports skipped
+    with the probe's reason."""
+    import torch
+
+    from aligner.models import checkpoint_keys as ck
+    from aligner.models.checkpoint import load_training_state, load_weights, model_config_from_checkpoint
+    from aligner.models.gpt import use_transformer_engine
+    from aligner.runtime import distributed
+    from aligner.runtime.optional import probe
+
+    m, expected, conditions = ctx.measured, ctx.expected, {}
+    spec_log = LogLines("aligner.models.gpt")
+    found, cuda = probe("transformer_engine"), torch.cuda.is_available()
+    with_te = cuda and found.importable
+    spec = "transformer_engine" if with_te else "local"  # the spec loaded into and saved from beside the local one
+    m["transformer_engine"] = {"installed": found.installed, "importable": found.importable, "reason": found.reason}
+    m["auto_uses_te"] = use_transformer_engine("auto")
+    m["spec_lines"] = list(spec_log.lines)
+    m["spec"] = spec
+    expected.update(auto_uses_te=with_te, spec_lines=[expected_spec_line(cuda, found)])
+    conditions[f"auto builds the {'TE' if with_te else 'local'} spec"] = m["auto_uses_te"] == with_te
+    conditions["auto logs one line that says why"] = m["spec_lines"] == expected["spec_lines"]
+
+    distributed.init_process_group()
+    distributed.init_model_parallel(1, 1, 1)
+    converted = ctx.assets() / "converted"
+    cfg, vocab = model_config_from_checkpoint(converted, params_dtype="float32")
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    # the keys and extra state of each spec
+    local, other = spec_model(cfg, vocab, "local", seed=1), spec_model(cfg, vocab, spec, seed=2)
+    local_keys = {e.key for e in local.sharded_state_dict().values()}
+    other_keys = {e.key for e in other.sharded_state_dict().values()}
+    extra_state = ck.te_extra_state_names(other)
+    needed = ({f"decoder.layers.{i}.{module}.{ck.EXTRA_STATE}" for i in range(cfg.num_layers)
+               for module in TE_LAYER_MODULES} | {ck.TE_FINAL_NORM_EXTRA_STATE}) if with_te else set()
+    other_only = other_keys - local_keys
+    m["keys"] = {"spec_only": sorted(other_only), "local_only": sorted(local_keys - other_keys),
+                 "te_extra_state": len(extra_state), "te_extra_state_lacks": sorted(needed - extra_state),
+                 "parameters_spec_only": sorted(spec_weights(other).keys() - spec_weights(local).keys()),
+                 "parameters_local_only": sorted(spec_weights(local).keys() - spec_weights(other).keys())}
+    expected["keys"] = {"spec_only": [ck.TE_FINAL_NORM_EXTRA_STATE] if with_te else [], "local_only": [],
+                        "te_extra_state": f">= {len(needed)}", "te_extra_state_lacks": [], "parameters_spec_only": [],
+                        "parameters_local_only": []}
+    conditions["keys = te_checkpoint_keys(local keys, final_norm=True)" if with_te else "keys = local keys"] = (
+        other_keys == (ck.te_checkpoint_keys(local_keys, final_norm=True) if with_te else local_keys))
+    conditions["te_extra_state_names: every TE module's extra state"] = not m["keys"]["te_extra_state_lacks"]
+    conditions["local parameter names map onto the spec's"] = not (m["keys"]["parameters_spec_only"]
+                                                                   or m["keys"]["parameters_local_only"])
+
+    def judge_load(name: str, report: dict, absent: set[str], left_over: set[str], logits_gate: float) -> None:
+        m[name] = report
+        expected[name] = {"weights_differ": [], "logits_rel": f"<= {logits_gate:g}", "absent": sorted(absent),
+                          "left_over": sorted(left_over)}
+        conditions[f"{name}: every weight equal"] = report["weights_differ"] == []
+        conditions[f"{name}: logits within {logits_gate:g}"] = report["logits_rel"] <= logits_gate
+        conditions[f"{name}: absent {sorted(absent)}, left over {sorted(left_over)}"] = (
+            report["absent"], report["left_over"]) == (sorted(absent), sorted(left_over))
+
+    # the converted weights into the local spec (the reference), then a local checkpoint one step on
+    load_weights(converted, local)
+    converted_weights, converted_logits = spec_weights(local), spec_logits(local, ids)
+    local_ck = trained_checkpoint(ctx.dir / "local_ck", local, cfg, vocab)
+    local_weights, local_logits = spec_weights(local), spec_logits(local, ids)
+    # the two local checkpoints into the spec, then the spec's checkpoint into the local spec and, resumed, its own
+    judge_load("converted_into_spec", load_report(converted, other, lambda: load_weights(converted, other),
+                                                  converted_weights, converted_logits, ids),
+               other_only, set(), TE_VS_LOCAL_FP32)
+    other = spec_model(cfg, vocab, spec, seed=3)
+    judge_load("local_checkpoint_into_spec", load_report(local_ck, other, lambda: load_weights(local_ck, other),
+                                                         local_weights, local_logits, ids),
+               other_only, set(), TE_VS_LOCAL_FP32)
+    spec_ck = trained_checkpoint(ctx.dir / "spec_ck", other, cfg, vocab)
+    spec_weights_now, spec_logits_now = spec_weights(other), spec_logits(other, ids)
+    local = spec_model(cfg, vocab, "local", seed=4)
+    judge_load("spec_checkpoint_into_local", load_report(spec_ck, local, lambda: load_weights(spec_ck, local),
+                                                         spec_weights_now, spec_logits_now, ids),
+               set(), other_only, TE_VS_LOCAL_FP32)
+    resumed, optimizer = with_optimizer(spec_model(cfg, vocab, spec, seed=5), cfg)
+    judge_load("spec_checkpoint_resumed", load_report(spec_ck, resumed,
+                                                      lambda: load_training_state(spec_ck, resumed, optimizer),
+                                                      spec_weights_now, spec_logits_now, ids),
+               set(), set(), SAME_DEVICE_RESUME)
+    distributed.shutdown()
+    verdict = ctx.judge(conditions)
+    if with_te or verdict["status"] != "pass":
+        return verdict
+    why = "; ".join(([] if cuda else ["no CUDA device"]) + ([] if found.importable
+                                                             else [f"transformer_engine: {found.reason}"]))
+    return ctx.skip(f"the TE part needs Transformer Engine on a CUDA host ({why}): the spec choice passed, and the "
+                    f"four loads passed with the local spec standing in for TE's")
+
+
 def rl_args(ctx: Context, command: str, run_dir: Path, steps: int, extra: list[str]) -> list[str]:
     a = ctx.assets()
     return ["train", command, f"run_dir={run_dir}", f"data.train_path={a / 'prompts.jsonl'}",
@@ -628,6 +852,7 @@ CHECKS = {
     "pytest_gpu": (pytest_gpu, 150, 120),
     "sft": (sft, 150, 150),
     "checkpoint": (checkpoint, 120, 120),
+    "te": (te, 90, 90),
     "grpo": (grpo, 100, 90),
     "reinforce": (reinforce, 100, 90),
     "ppo": (ppo, 150, 150),

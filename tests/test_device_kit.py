@@ -17,6 +17,7 @@ from tests.conftest import REPO
 
 # What each check may end as on a CPU host
 DRY_STATUS = {"env": {"pass"}, "pytest_gpu": {"skipped"}, "sft": {"pass"}, "checkpoint": {"pass"},
+              "te": {"skipped"},  # no Transformer Engine: the local spec stands in for TE's
               "grpo": {"pass"}, "reinforce": {"pass"},
               "ppo": {"pass", "skipped"},  # skipped without PyTriton
               "generate": {"pass"}, "mfu": {"pass"},
@@ -55,6 +56,13 @@ def test_dry_run_records_every_check_with_its_figures(dry_run):
     assert 0.0 < c["sft"]["bf16_vs_fp32_max_rel"] <= 3e-2
     for resume in ("cpu_to_cuda", "cuda_to_cpu", "cuda_to_cuda"):  # CPU -> CPU resume is bitwise
         assert c["checkpoint"][resume]["max_rel"] == 0.0 and c["checkpoint"][resume]["first_step"] == 4
+    te = report["checks"]["te"]
+    assert "no CUDA device; transformer_engine: not installed" in te["reason"]
+    assert c["te"]["spec_lines"] == ["layer spec: local (no CUDA device)"] and c["te"]["auto_uses_te"] is False
+    assert c["te"]["spec"] == "local" and c["te"]["keys"]["spec_only"] == []
+    for load in ("converted_into_spec", "local_checkpoint_into_spec", "spec_checkpoint_into_local",
+                 "spec_checkpoint_resumed"):  # the same spec and device: weights and logits exact, no key astray
+        assert c["te"][load] == {"weights_differ": [], "logits_rel": 0.0, "absent": [], "left_over": []}, load
     for rl in ("grpo", "reinforce"):
         assert c[rl]["finite"] and 1.0 <= c[rl]["token_prob_error_max"] <= 1.1 and c[rl]["doctor_exit"] == 0
     assert c["generate"]["logits_rel_diff"] <= 5e-2
