@@ -40,12 +40,12 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message, self.prog, f"see `{self.prog} --help`")
 
 # algorithm -> module with `main(argv)` (a launched rank) and `run(cfg)` (in this process)
-TRAINERS = {"sft": "aligner.algorithms.sft", "rm": "aligner.algorithms.reward_model",
-            "dpo": "aligner.algorithms.dpo", "orpo": "aligner.algorithms.orpo", "simpo": "aligner.algorithms.simpo",
-            "kto": "aligner.algorithms.kto", "steerlm": "aligner.algorithms.steerlm",
-            "spin": "aligner.algorithms.spin", "grpo": "aligner.algorithms.grpo",
-            "reinforce": "aligner.algorithms.grpo", "ppo": "aligner.algorithms.ppo", "rs": "aligner.algorithms.rs",
-            "kd": "aligner.algorithms.kd"}
+TRAINERS = {"sft": "aligner.algorithms.shared.sft", "rm": "aligner.algorithms.preference.reward_model",
+            "dpo": "aligner.algorithms.preference.dpo", "orpo": "aligner.algorithms.preference.orpo", "simpo": "aligner.algorithms.preference.simpo",
+            "kto": "aligner.algorithms.preference.kto", "steerlm": "aligner.algorithms.preference.steerlm",
+            "spin": "aligner.algorithms.preference.spin", "grpo": "aligner.algorithms.online.grpo",
+            "reinforce": "aligner.algorithms.online.grpo", "ppo": "aligner.algorithms.online.ppo", "rs": "aligner.algorithms.online.rs",
+            "kd": "aligner.algorithms.distillation.kd"}
 
 
 def _under_external_launcher() -> bool:
@@ -184,13 +184,13 @@ def generate(argv: list[str]) -> int:
 
 
 def rs_generate(argv: list[str]) -> int:
-    from aligner.algorithms.rs_generate import rs_generate_main
+    from aligner.algorithms.online.rs_generate import rs_generate_main
 
     return rs_generate_main(argv)
 
 
 def teacher_logits(argv: list[str]) -> int:
-    from aligner.algorithms.teacher_logits import main as write_teacher_logits
+    from aligner.algorithms.distillation.teacher_logits import main as write_teacher_logits
 
     return write_teacher_logits(argv)
 
@@ -216,7 +216,7 @@ def label_attributes(argv: list[str]) -> int:
     parser.add_argument("--scale", type=int, default=4, help="values are rounded and clipped to [0, scale]")
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args(argv)
-    from aligner.algorithms.steerlm import label_attributes as label
+    from aligner.algorithms.preference.steerlm import label_attributes as label
 
     out = label(args.rm, args.data, args.out, scale=args.scale, batch_size=args.batch_size)
     print(f"wrote {out}")

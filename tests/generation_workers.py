@@ -254,8 +254,8 @@ def stop_checks(model, m, ps_, ref, workdir: Path, tag: str) -> dict:
 
 
 def train_step_checks(model, m, ps_) -> dict:
-    from aligner.algorithms.sft import sft_forward_step
-    from aligner.algorithms.training_step import forward_backward
+    from aligner.algorithms.shared.sft import sft_forward_step
+    from aligner.algorithms.shared.training_step import forward_backward
     from aligner.config.schema import OptimConfig
     from aligner.generation.megatron_engine import MegatronEngine
     from aligner.generation.types import SamplingParams

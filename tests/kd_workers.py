@@ -34,7 +34,7 @@ def tensors():
 def loss_and_grad(student_shard: torch.Tensor, teacher_shard: torch.Tensor, labels, mask, cfg) -> dict:
     """The teacher's top-k, and the KD token loss (kd.py's values and loss) with its gradient wrt this
     rank's logits."""
-    from aligner.algorithms.kd import kd_token_loss, kd_values
+    from aligner.algorithms.distillation.kd import kd_token_loss, kd_values
     from aligner.models.logprobs import vocab_parallel_topk
 
     values, ids = vocab_parallel_topk(teacher_shard, K, VOCAB)

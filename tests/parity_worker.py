@@ -99,8 +99,8 @@ def run(mode: str, workdir: Path, layout: dict) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from aligner.algorithms.sft import sft_forward_step
-    from aligner.algorithms.training_step import forward_backward
+    from aligner.algorithms.shared.sft import sft_forward_step
+    from aligner.algorithms.shared.training_step import forward_backward
     from aligner.models import checkpoint
     from aligner.models.gpt import build_gpt
     from aligner.models.training import wrap_for_training

@@ -2,7 +2,7 @@
 
 `reference WORKDIR TOKENIZER`: one process, TP=PP=CP=DP=1. Saves the initial weights as a
 checkpoint (the policy and its reference both start from it, as with `model.pretrained`), then runs
-two optimizer steps of every case through `PreferenceTrainer.train_step` and saves the metrics of
+two optimizer steps of every case through `SequenceTrainer.train_step` and saves the metrics of
 both steps, the gradients of the first and the parameters after the second. It also compares the
 three reference modes and packed against padded batches, in the same process.
 `parallel WORKDIR TOKENIZER LAYOUTS_JSON`: every layout in turn, in one launch (megatron's parallel
@@ -63,9 +63,9 @@ def run_case(workdir: Path, tokenizer_path: str, case: str, layout: dict, mode: 
              packed: bool | None = None) -> dict:
     """Two training steps of `case` under `layout`: metrics, step-1 gradients and final parameters
     (global names, this rank's shards)."""
-    from aligner.algorithms.preference_losses import DPO, KTO
-    from aligner.algorithms.preference_trainer import PreferenceFormat, PreferenceTrainer
-    from aligner.algorithms.sequence_logprobs import sequence_loss_step
+    from aligner.algorithms.preference.losses import DPO, KTO
+    from aligner.algorithms.shared.sequence_trainer import SequenceFormat, SequenceTrainer
+    from aligner.algorithms.shared.sequence_logprobs import sequence_loss_step
     from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
     from aligner.data.tokenizer import load_tokenizer
     from aligner.models import checkpoint
@@ -95,8 +95,8 @@ def run_case(workdir: Path, tokenizer_path: str, case: str, layout: dict, mode: 
         algorithm = KTO(cfg.kto)
         data = load_unpaired_dataset(cfg.data.train_path, tokenizer, max_length=m.seq_length)
     packing = {"packed": packed, "capacity": m.seq_length if packed else None}
-    trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(algorithm.loss, vocab),
-                                data, None, PreferenceFormat(algorithm, tokenizer.pad_token_id), vocab, tokenizer,
+    trainer = SequenceTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(algorithm.loss, vocab),
+                                data, None, SequenceFormat(algorithm, tokenizer.pad_token_id), vocab, tokenizer,
                                 algorithm=algorithm, reference_mode=mode, packing=packing)
     trainer.resume()
     result = {"metrics": []}

@@ -111,7 +111,7 @@ def test_packing_is_automatic_for_dpo_and_rm(command):
     """null: packed on the local layer spec, padded on Transformer Engine's (no error there)."""
     from omegaconf import OmegaConf
 
-    from aligner.algorithms.preference_trainer import packing_enabled
+    from aligner.algorithms.shared.sequence_trainer import packing_enabled
 
     local = load_config(command, REQUIRED + ["model.transformer_impl=local"], world_size=1)
     assert local.data.packing is None and packing_enabled(local)

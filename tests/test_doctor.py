@@ -151,7 +151,7 @@ def test_silent_on_what_normal_runs_do(tmp_path):
 def test_service_retries_and_timeouts_in_the_logs(tmp_path):
     retries = "".join(f"2026-01-01 00:01:3{i},000 WARNING aligner.servers.client: critic_infer at 127.0.0.1:5000: "
                       f"ConnectionRefusedError (attempt {i + 1} of 4)\n" for i in range(3))
-    timeout = ("2026-01-01 00:02:10,000 WARNING aligner.algorithms.ppo: critic_infer failed for 8 of 32 samples "
+    timeout = ("2026-01-01 00:02:10,000 WARNING aligner.algorithms.online.ppo: critic_infer failed for 8 of 32 samples "
                "(critic_infer at 127.0.0.1:5000 gave no answer within 60 s); asking again\n")
     found = fired(write_run(tmp_path / "run", healthy_rows(), logs={"train.log": retries + timeout}))
     assert set(found) == {"service_trouble"}

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from aligner.algorithms.mismatch import kl, token_prob_error, truncated_is_weights
+from aligner.algorithms.online.mismatch import kl, token_prob_error, truncated_is_weights
 
 LN2 = math.log(2.0)
 

@@ -1,4 +1,4 @@
-"""The plan of slurm/ppo.sbatch (aligner/algorithms/ppo_hetjob.py): the job's components read from `scontrol`,
+"""The plan of slurm/ppo.sbatch (aligner/algorithms/online/ppo_hetjob.py): the job's components read from `scontrol`,
 each side's arguments and job-derived ports, and a layout the job cannot hold refused with the
 component and the key. The job itself runs on the local Slurm cluster in tests/test_ppo.py."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 import pytest
 
 from aligner.config import ConfigError
-from aligner.algorithms import ppo_hetjob as hetjob
+from aligner.algorithms.online import ppo_hetjob as hetjob
 
 # `scontrol show job -o` of a two-component hetjob on Slurm 22.05 (fields trimmed to those read, plus neighbours)
 SCONTROL = (

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aligner.algorithms import kd_loss
-from aligner.algorithms import teacher_logits_store as store
+from aligner.algorithms.distillation import loss as kd_loss
+from aligner.algorithms.distillation import teacher_store as store
 from tests.conftest import assert_cli_ok, assert_metrics_match_by_step, read_metrics, run_cli, start_cli
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
@@ -76,7 +76,7 @@ def test_loss_weights_and_mask_by_hand():
 def test_topk_support_against_plain_python():
     """The student's loss on a 7-token vocabulary (one padding column) through kd.py's values and loss,
     against the definition written out with Python floats."""
-    from aligner.algorithms.kd import kd_token_loss, kd_values
+    from aligner.algorithms.distillation.kd import kd_token_loss, kd_values
     from aligner.models.logprobs import vocab_parallel_topk
 
     g = torch.Generator().manual_seed(0)
@@ -136,7 +136,7 @@ class Interrupted(Exception):
 
 
 def test_teacher_logits_resume_after_an_interruption_and_tp2_pp2_equal_tp1(assets, tmp_path, monkeypatch):
-    from aligner.algorithms.teacher_logits import write_teacher_logits
+    from aligner.algorithms.distillation.teacher_logits import write_teacher_logits
 
     args = (assets.teacher, assets.small, TOP_K)
     write_teacher_logits(args[0], args[1], tmp_path / "tp1", TOP_K, chunk_size=8)  # 36 samples: 5 chunks
@@ -188,7 +188,7 @@ def test_teacher_logits_resume_after_an_interruption_and_tp2_pp2_equal_tp1(asset
 
 
 def test_teacher_logits_refuses_what_does_not_fit(assets, tmp_path, tokenizer):
-    from aligner.algorithms.teacher_logits import write_teacher_logits
+    from aligner.algorithms.distillation.teacher_logits import write_teacher_logits
     from aligner.data.jsonl import DataError
     from aligner.errors import UsageError, UserError
 
@@ -225,7 +225,7 @@ def common(assets, run_dir, steps: int = 20):
 def runs(assets):
     """SFT alone and offline KD (weights 1 and 1) from the same initial weights, 20 steps, the same data
     and seed; the teacher is the SFT model trained 40 steps."""
-    from aligner.algorithms.teacher_logits import write_teacher_logits
+    from aligner.algorithms.distillation.teacher_logits import write_teacher_logits
 
     root = assets.root
     write_teacher_logits(assets.teacher, assets.train, root / "train_logits", TOP_K, chunk_size=128)
@@ -266,7 +266,7 @@ def test_offline_metrics_and_resume(runs, assets):
     assert_metrics_match_by_step(resumed[10:], runs.kd, ["loss", "kd/loss", "sft/loss", "grad_norm"])
     assert resumed[-1]["val/loss"] == runs.kd[-1]["val/loss"]
     # continuing with other teacher logits of the same data is refused
-    from aligner.algorithms.teacher_logits import write_teacher_logits
+    from aligner.algorithms.distillation.teacher_logits import write_teacher_logits
 
     write_teacher_logits(assets.teacher, assets.train, runs.root / "train_logits_top8", 8, chunk_size=128)
     other = run_cli("train", "kd", *common(assets, run_dir, steps=30),

@@ -132,7 +132,7 @@ def _run_micro_batches(step, micro, model):
 
 
 def _loss_and_grads(model, step_loss, micro):
-    from aligner.algorithms.sequence_logprobs import sequence_loss_step
+    from aligner.algorithms.shared.sequence_logprobs import sequence_loss_step
 
     total, grads, reports = _run_micro_batches(sequence_loss_step(step_loss, 300), micro, model)
     return total, grads, [{k: v for k, v in r.items() if k != "count"} for r in reports]
@@ -142,7 +142,7 @@ def _loss_and_grads(model, step_loss, micro):
                          ids=["rows", "flat", "flat-unit-blocks"])
 @pytest.mark.parametrize("algorithm", ["dpo", "sft"])
 def test_packed_equals_padded(model, algorithm, flat, unit_blocks, monkeypatch):
-    from aligner.algorithms.preference_losses import DPO
+    from aligner.algorithms.preference.losses import DPO
     from aligner.config.schema import DPOConfig
     from omegaconf import OmegaConf
 
@@ -184,7 +184,7 @@ def test_packed_equals_padded(model, algorithm, flat, unit_blocks, monkeypatch):
 @pytest.mark.parametrize("capacity", [80, 12])  # one row; a flat row of several blocks
 def test_packed_rows_do_not_see_each_other(model, capacity):
     """Changing one packed sequence leaves the log-probs of its row neighbours unchanged."""
-    from aligner.algorithms.sequence_logprobs import logprob_sums
+    from aligner.algorithms.shared.sequence_logprobs import logprob_sums
 
     seqs = _sequences(4, seed=3)
     changed = list(seqs)
@@ -202,10 +202,10 @@ def test_packed_rows_do_not_see_each_other(model, capacity):
 def test_packed_reward_model_equals_padded(model, kind):  # `model`: the process group
     """Reward-model losses, reports and gradients through packed pair trees (a pair's prompt computed
     once, each reward read at its sequence's last token) equal the padded reward-model forward step."""
-    from aligner.algorithms.sequence_logprobs import sequence_loss_step
+    from aligner.algorithms.shared.sequence_logprobs import sequence_loss_step
     from aligner.models.forward_step import head_values
     from aligner.models.policy import build_policy
-    from aligner.algorithms.reward_model import (PackedRewardObjective, PairFormat, RegressionFormat,
+    from aligner.algorithms.preference.reward_model import (PackedRewardObjective, PairFormat, RegressionFormat,
                                                  make_rm_forward_step)
     from aligner.config.schema import ModelConfig
     from aligner.data.preference_rm import PairSample, RegressionSample

@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
-from aligner.algorithms.ppo import Service
+from aligner.algorithms.online.ppo import Service
 from aligner.servers.client import OK, TIMEOUT, SampleResult, Values
 from tests.conftest import (REPO, REWARDS, job_field, read_metrics, run_cli, sigusr1_stop_step, start_cli,
                             wait_for_requeued_completion, wait_for_step)
@@ -207,7 +207,7 @@ def test_the_embedded_service_is_configured_from_every_critic_setting():
     critic's optimizer (every key: the distributed optimizer was once left out), trainer and layout."""
     from dataclasses import fields
 
-    from aligner.algorithms.ppo import embedded_overrides
+    from aligner.algorithms.online.ppo import embedded_overrides
     from aligner.config import load_config
     from aligner.config.load import compose_config
     from aligner.config.schema import OptimConfig

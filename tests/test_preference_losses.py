@@ -1,4 +1,4 @@
-"""The preference losses of `aligner.algorithms.functional`, pinned with hand-computed values.
+"""The preference losses of `aligner.algorithms.preference.maths`, pinned with hand-computed values.
 
 Two pairs are used throughout, with beta = 0.5:
   pair 0: policy (chosen, rejected) = (-1, -2), reference (-1.5, -1.5) -> delta = 1,  beta delta = 0.5
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from aligner.algorithms import functional as F
+from aligner.algorithms.preference import maths
 from aligner.models.forward_step import index_sums
 
 POLICY_C, POLICY_R = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])
@@ -28,7 +28,7 @@ def sig(x):
 
 
 def dpo(loss_type, **kwargs):
-    return F.dpo_loss(POLICY_C, POLICY_R, REF_C, REF_R, BETA, loss_type, **kwargs).tolist()
+    return maths.dpo_loss(POLICY_C, POLICY_R, REF_C, REF_R, BETA, loss_type, **kwargs).tolist()
 
 
 def test_sigmoid_dpo_and_cdpo():
@@ -72,13 +72,13 @@ def test_reward_aware_losses():
 def test_dpo_is_ln2_when_policy_equals_reference():
     logps = torch.tensor([-3.0, -10.0, -0.5])
     other = torch.tensor([-4.0, -2.0, -7.5])
-    loss = F.dpo_loss(logps, other, logps, other, beta=0.1)
+    loss = maths.dpo_loss(logps, other, logps, other, beta=0.1)
     assert loss.tolist() == pytest.approx([math.log(2)] * 3, abs=1e-7)
 
 
 def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     chosen, rejected = POLICY_C.clone().requires_grad_(), POLICY_R.clone().requires_grad_()
-    F.dpo_loss(chosen, rejected, REF_C, REF_R, BETA).sum().backward()
+    maths.dpo_loss(chosen, rejected, REF_C, REF_R, BETA).sum().backward()
     # d/d pi_c of -log s(beta delta) = -beta (1 - s(beta delta))
     assert chosen.grad.tolist() == pytest.approx([-BETA * (1 - sig(0.5)), -BETA * (1 - sig(-1.0))], abs=1e-6)
     assert rejected.grad.tolist() == pytest.approx([BETA * (1 - sig(0.5)), BETA * (1 - sig(-1.0))], abs=1e-6)
@@ -96,36 +96,36 @@ def test_bad_arguments_are_refused():
 def test_orpo_hand_computed():
     # log odds(-0.5) = -0.5 - log(1 - e^-0.5) = 0.432752; log odds(-1) = -1 - log(1 - e^-1) = -0.541325
     # ratio term: -log s(0.974077) = 0.320299; loss = 0.5 + 0.1 * 0.320299
-    loss = F.orpo_loss(torch.tensor([-0.5]), torch.tensor([-1.0]), 0.1)
-    assert F.log_odds(torch.tensor([-0.5, -1.0])).tolist() == pytest.approx([0.432752, -0.541325], abs=1e-6)
+    loss = maths.orpo_loss(torch.tensor([-0.5]), torch.tensor([-1.0]), 0.1)
+    assert maths.log_odds(torch.tensor([-0.5, -1.0])).tolist() == pytest.approx([0.432752, -0.541325], abs=1e-6)
     assert loss.item() == pytest.approx(0.5 + 0.1 * softplus(-0.974077), abs=1e-6)
     assert loss.item() == pytest.approx(0.532030, abs=1e-6)
     certain = torch.tensor([0.0], requires_grad=True)  # every token at probability 1 in float32
-    F.orpo_loss(certain, torch.tensor([-1.0]), 0.1).sum().backward()
+    maths.orpo_loss(certain, torch.tensor([-1.0]), 0.1).sum().backward()
     assert torch.isfinite(certain.grad).all()
 
 
 def test_simpo_hand_computed():
     # beta (c - r) - gamma = 2 * 0.5 - 0.5 = 0.5
     c, r = torch.tensor([-0.5, -1.0]), torch.tensor([-1.0, -0.5])
-    assert F.simpo_loss(c, r, beta=2.0, gamma=0.5).tolist() == pytest.approx([0.4740770, softplus(1.5)], abs=1e-6)
-    smoothed = F.simpo_loss(c, r, beta=2.0, gamma=0.5, label_smoothing=0.2)[0].item()
+    assert maths.simpo_loss(c, r, beta=2.0, gamma=0.5).tolist() == pytest.approx([0.4740770, softplus(1.5)], abs=1e-6)
+    smoothed = maths.simpo_loss(c, r, beta=2.0, gamma=0.5, label_smoothing=0.2)[0].item()
     assert smoothed == pytest.approx(0.8 * softplus(-0.5) + 0.2 * softplus(0.5), abs=1e-6)
 
 
 def test_kto_hand_computed():
     policy, ref = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -2.0])  # r = 1 (desirable), -1 (undesirable)
     desirable = torch.tensor([True, False])
-    loss = F.kto_loss(policy, ref, desirable, torch.tensor(0.5), beta=1.0, desirable_weight=2.0, undesirable_weight=1.0)
+    loss = maths.kto_loss(policy, ref, desirable, torch.tensor(0.5), beta=1.0, desirable_weight=2.0, undesirable_weight=1.0)
     # 2 (1 - s(1 - 0.5)) = 0.755082;  1 (1 - s(0.5 + 1)) = 0.182426
     assert loss.tolist() == pytest.approx([2 * (1 - sig(0.5)), 1 - sig(1.5)], abs=1e-6)
     assert loss.tolist() == pytest.approx([0.755082, 0.182426], abs=1e-6)
-    at_reference = F.kto_loss(ref, ref, desirable, torch.tensor(0.0), beta=0.1)
+    at_reference = maths.kto_loss(ref, ref, desirable, torch.tensor(0.0), beta=0.1)
     assert at_reference.tolist() == pytest.approx([0.5, 0.5])
     # z0 = max(0, mean log-ratio); detached
     gap = torch.tensor(3.0, requires_grad=True)
-    assert F.kto_kl_estimate(gap, 4).item() == 0.75 and not F.kto_kl_estimate(gap, 4).requires_grad
-    assert F.kto_kl_estimate(torch.tensor(-3.0), 4).item() == 0.0
+    assert maths.kto_kl_estimate(gap, 4).item() == 0.75 and not maths.kto_kl_estimate(gap, 4).requires_grad
+    assert maths.kto_kl_estimate(torch.tensor(-3.0), 4).item() == 0.0
 
 
 def test_sequence_sums_and_accuracy():
@@ -138,4 +138,4 @@ def test_sequence_sums_and_accuracy():
     assert torch.equal(values.grad, mask)
     heads = torch.stack([values.detach(), -values.detach()], -1)  # [rows, seq, 2]: per-position vectors
     assert index_sums(heads, mask, index, 3)[0].tolist() == [[5.0, -5.0], [11.0, -11.0], [4.0, -4.0]]
-    assert F.preference_accuracy(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])).tolist() == [1, 0, 0.5]
+    assert maths.preference_accuracy(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])).tolist() == [1, 0, 0.5]

@@ -1,5 +1,5 @@
 """DPO (padded and packed) and KTO under TP=2, PP=2 (1F1B), CP=2 and DP=2 against one process, on the
-first two optimizer steps through `PreferenceTrainer`; and, in one process, the three reference modes
+first two optimizer steps through `SequenceTrainer`; and, in one process, the three reference modes
 against each other and packed against padded batches.
 
 Two launches in all: tests/preference_workers.py runs the single-process reference, then every layout

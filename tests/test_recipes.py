@@ -162,7 +162,7 @@ def test_sft_dpo_recipe_validates(recipe, workspace, monkeypatch):
 
 
 def test_ppo_recipe_plans_and_validates(workspace, monkeypatch):
-    from aligner.algorithms import ppo_hetjob
+    from aligner.algorithms.online import ppo_hetjob
     from aligner.servers.config import load_serve_config
 
     recipe = "llama3_70b_ppo"

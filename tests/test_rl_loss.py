@@ -6,11 +6,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from aligner.algorithms import functional as F
-from aligner.algorithms.rl_loss import (PolicyLoss, response_values, rl_micro_batches, token_logprob_values,
+from aligner.algorithms.online import maths
+from aligner.algorithms.online.loss import (PolicyLoss, response_values, rl_micro_batches, token_logprob_values,
                                        token_values)
 from aligner.generation.types import SamplingParams
-from aligner.algorithms.rl_samples import Sample
+from aligner.algorithms.online.samples import Sample
 from aligner.config.rl_schema import RLAlgorithmConfig
 
 
@@ -52,9 +52,9 @@ def test_policy_loss_term_sums_match_direct_maths():
     per_position[mask] = torch.stack([logprobs[batch["response_mask"] > 0], torch.full((7,), 2.0)], -1)
     loss, count, report = PolicyLoss(a, max_new_tokens=4)(per_position, batch, batch)
     m = batch["response_mask"]
-    surrogate, _ = F.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], m,
+    surrogate, _ = maths.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], m,
                                  aggregation="seq_mean_token_mean")
-    kl = F.aggregate_loss(F.kl_penalty(logprobs, batch["ref_logprobs"], "k3"), m, "seq_mean_token_mean")
+    kl = maths.aggregate_loss(maths.kl_penalty(logprobs, batch["ref_logprobs"], "k3"), m, "seq_mean_token_mean")
     expected = surrogate + 0.1 * kl - 0.01 * 2.0  # the entropy's sequence means are all 2
     assert count == 3  # sequences: the loss is a sum over them, megatron divides by the global count
     assert torch.allclose(loss / count, expected)

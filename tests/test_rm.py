@@ -15,7 +15,7 @@ from tests.conftest import assert_cli_ok, init_single_process, read_metrics, run
 
 # ---- pure losses -----------------------------------------------------------------------------------
 def test_bradley_terry_hand_computed():
-    from aligner.algorithms.reward_model import pair_loss
+    from aligner.algorithms.preference.reward_model import pair_loss
 
     chosen, rejected = torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 0.5, 1.0])
     loss, report = pair_loss(chosen, rejected)
@@ -29,7 +29,7 @@ def test_bradley_terry_hand_computed():
 
 
 def test_centering_term_hand_computed():
-    from aligner.algorithms.reward_model import pair_loss
+    from aligner.algorithms.preference.reward_model import pair_loss
 
     chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([1.0, -0.5])
     plain, _ = pair_loss(chosen, rejected)
@@ -62,7 +62,7 @@ def test_synthetic_pairs_are_swapped_twins_of_near_misses():
 
 
 def test_regression_loss_masks_missing_labels():
-    from aligner.algorithms.reward_model import regression_loss
+    from aligner.algorithms.preference.reward_model import regression_loss
 
     predicted = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     labels = torch.tensor([[0.0, 2.0], [5.0, -100.0]])
@@ -74,7 +74,7 @@ def test_regression_loss_masks_missing_labels():
 
 
 def test_clipped_value_loss_hand_computed():
-    from aligner.algorithms.functional import clipped_value_loss
+    from aligner.algorithms.online.maths import clipped_value_loss
 
     values, old, returns = torch.tensor([[1.0, 0.0, 0.5]]), torch.tensor([[0.0, 0.0, 0.4]]), torch.tensor([[1.0, 2.0, 0.0]])
     loss, clipped = clipped_value_loss(values, old, returns, clip=0.2)

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from aligner.algorithms.rs_select import flat_winners, select_winners
+from aligner.algorithms.online.rs_select import flat_winners, select_winners
 from tests.conftest import assert_cli_ok, read_metrics, run_cli, write_jsonl_lines
 
 SCRIPTED = "tests.test_rs:scripted"
@@ -38,7 +38,7 @@ def test_select_winners_by_hand():
 
 
 def test_rs_generate_records_and_overrides():
-    from aligner.algorithms.rs_generate import hydra_overrides, sft_record
+    from aligner.algorithms.online.rs_generate import hydra_overrides, sft_record
     from aligner.errors import UsageError
 
     chat = [{"role": "user", "content": "1+2="}]

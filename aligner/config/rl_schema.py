@@ -174,7 +174,7 @@ class RLRunConfig(TrainRunConfig):
 
 
 
-# ---- PPO (`aligner train ppo`, algorithms/ppo_trainer.py) ---------------------------------------------------
+# ---- PPO (`aligner train ppo`, algorithms/online/ppo_trainer.py) ---------------------------------------------------
 @dataclass
 class ScoreConfig:
     """What PPO does to the reward model's scores before they enter the token rewards."""

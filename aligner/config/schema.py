@@ -305,7 +305,7 @@ class VerifierServeConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=5570))
 
 
-# ---- preference optimisation (aligner/algorithms/preference_trainer.py) ----------------------------------------
+# ---- preference optimisation (aligner/algorithms/shared/sequence_trainer.py) ----------------------------------------
 @dataclass
 class PreferenceDataConfig(PackableDataConfig):
     overlong: Overlong = Overlong.drop  # truncate keeps the start; needs a response token left

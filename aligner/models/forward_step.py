@@ -8,7 +8,7 @@ report)`. `make_forward_step(position_values, reduction)` builds it from two fun
   scalar head's outputs);
 * `reduction(values, local, batch) -> (loss, count, report)`: the loss over those values. `local`
   holds this context-parallel rank's slice of the micro-batch, `batch` the whole of it.
-`report` holds sums (the trainer divides them by the global `count`, see algorithms/training_step.py);
+`report` holds sums (the trainer divides them by the global `count`, see algorithms/shared/training_step.py);
 a forward-only pass returns what it wants to keep in `report` (`collect`).
 
 Two kinds of micro-batch reach the model:

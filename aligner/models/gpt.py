@@ -126,7 +126,7 @@ def transformer_config(m, **overrides):
         bf16=dtype == torch.bfloat16,
         # Build whole weights on the CPU and split them: initial weights do not depend on TP.
         use_cpu_initialization=on_cpu,
-        # Losses are sums over tokens divided by the global token count (see algorithms/trainer.py),
+        # Losses are sums over tokens divided by the global token count (see algorithms/shared/trainer.py),
         # so results do not depend on how the batch is split over micro-batches and DP ranks.
         calculate_per_token_loss=True,
         # No fused kernels: CPU has none, and the TE spec fuses what matters on GPU.

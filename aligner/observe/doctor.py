@@ -37,7 +37,7 @@ ENDED_DROP = 0.25  # a quarter more of the samples now cut at max_new_tokens tha
 THROUGHPUT_DROP = 0.5  # tokens/s below half the baseline: a slowdown, not noise
 
 THROUGHPUT_KEYS = ("throughput/generated_tokens_per_s", "throughput/tokens_per_s")  # RL, then the shared loop
-RETRY = re.compile(r"\(attempt \d+ of \d+\)\s*$|; asking again\s*$")  # servers/client.py, algorithms/ppo.py
+RETRY = re.compile(r"\(attempt \d+ of \d+\)\s*$|; asking again\s*$")  # servers/client.py, algorithms/online/ppo.py
 TIMEOUT = re.compile(r"gave no answer within|timed out|timeout: ", re.IGNORECASE)  # client.py; scoring.py's status
 SERVICE_LOST = re.compile(r"stopped during step (\d+): the last checkpoint is consistent")  # ppo_trainer.py
 NO_SERVER = re.compile(r"no (?:reward or verifier|\w+) server (?:ready )?at ")  # rewards/scoring.py, client.py

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms import functional as F
-from aligner.algorithms.training_step import forward_backward, optimizer_step
+from aligner.algorithms.online.maths import clipped_value_loss
+from aligner.algorithms.shared.maths import masked_sum
+from aligner.algorithms.shared.training_step import forward_backward, optimizer_step
 from aligner.models import checkpoint
 from aligner.models.forward_step import head_values, make_forward_step, token_reduction
 from aligner.models.heads import ScalarHead, last_token_scores
@@ -58,14 +59,14 @@ def _backbone(model) -> dict[str, torch.nn.Parameter]:
 
 
 def value_loss(clip: float):
-    """The critic's token loss: PPO's clipped value loss on the returns (`functional.clipped_value_loss`),
+    """The critic's token loss: PPO's clipped value loss on the returns (`maths.clipped_value_loss`),
     summed over the masked tokens; count = masked tokens; report `clipped` = masked tokens whose
     clipped term was the larger one."""
 
     def loss(values, local):
-        token_loss, clipped = F.clipped_value_loss(values[..., 0], local["prev_values"], local["returns"], clip)
-        loss = F.masked_sum(token_loss, local["mask"])
-        return loss, local["mask"].sum(), {"loss": loss, "clipped": F.masked_sum(clipped, local["mask"])}
+        token_loss, clipped = clipped_value_loss(values[..., 0], local["prev_values"], local["returns"], clip)
+        loss = masked_sum(token_loss, local["mask"])
+        return loss, local["mask"].sum(), {"loss": loss, "clipped": masked_sum(clipped, local["mask"])}
 
     return loss
 

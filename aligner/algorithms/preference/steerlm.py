@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from aligner.algorithms import sft
+from aligner.algorithms.shared import sft
 from aligner.config import load_resolved
 from aligner.data.steerlm import condition_ids, parse_attributes, write_attribute_labels
 from aligner.data.tokenizer import load_tokenizer

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from aligner.algorithms import kd_loss
-from aligner.algorithms import teacher_logits_store as store
-from aligner.algorithms.sft import SFTFormat
-from aligner.algorithms.teacher_logits import loss_positions, topk_forward_step
-from aligner.algorithms.trainer import Trainer
+from aligner.algorithms.distillation import loss as kd_loss
+from aligner.algorithms.distillation import teacher_store as store
+from aligner.algorithms.shared.sft import SFTFormat
+from aligner.algorithms.distillation.teacher_logits import loss_positions, topk_forward_step
+from aligner.algorithms.shared.trainer import Trainer
 from aligner.config import load_resolved
 from aligner.data.jsonl import DataError
 from aligner.data.sft import load_sft_dataset

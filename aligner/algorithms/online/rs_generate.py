@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from aligner import errors
-from aligner.algorithms.rs_select import flat_winners
+from aligner.algorithms.online.rs_select import flat_winners
 from aligner.data.jsonl import read_jsonl
 from aligner.data.sft import check_messages
 from aligner.generation.cli import ArgumentParser

@@ -1,15 +1,15 @@
-"""The losses of the preference algorithms on per-sequence log-probs (the maths is in `functional`):
-DPO and its variants, ORPO, SimPO, KTO, and SFT's NLL for packed SFT batches. Each binds which
+"""The losses of the preference algorithms on per-sequence log-probs (the maths is in `maths`):
+DPO and its variants, ORPO, SimPO, KTO. Each binds which
 sequences a sample trains on, the pre-passes its loss needs (`annotate`) and `loss(sums, counts,
-batch) -> (loss sum, count, report sums)`; `preference_trainer.py` runs them."""
+batch) -> (loss sum, count, report sums)`; `shared/sequence_trainer.py` runs them."""
 from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms import functional as F
-from aligner.algorithms.preference_trainer import PreferenceAlgorithm, attach
-from aligner.algorithms.sequence_logprobs import logprob_sums
+from aligner.algorithms.preference import maths
+from aligner.algorithms.shared.sequence_trainer import SequenceObjective, attach
+from aligner.algorithms.shared.sequence_logprobs import logprob_sums
 from aligner.data.packing import with_response_mask
 from aligner.runtime import collectives
 
@@ -25,8 +25,8 @@ def _halves(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values[:pairs], values[pairs:]
 
 
-class DPO(PreferenceAlgorithm):
-    """DPO and its variants (`functional.dpo_loss`), with an optional SFT term on the chosen
+class DPO(SequenceObjective):
+    """DPO and its variants (`preference/maths.dpo_loss`), with an optional SFT term on the chosen
     response: loss = dpo_loss + sft_weight * (-log pi(y_c|x)), the log-probs summed or averaged
     over the response tokens (`average_logprobs`) in both terms, as in NeMo-Aligner. Count: pairs.
     Metrics (means over pairs): loss, loss/preference and loss/sft (with an SFT term), accuracy
@@ -54,10 +54,10 @@ class DPO(PreferenceAlgorithm):
         reduce = (lambda x: x / counts.clamp(min=1)) if c.average_logprobs else (lambda x: x)
         policy_c, policy_r = _halves(reduce(sums))
         ref_c, ref_r = _halves(reduce(batch["reference"].to(sums)))
-        losses = F.dpo_loss(policy_c, policy_r, ref_c, ref_r, c.beta, self.loss_type, c.label_smoothing,
+        losses = maths.dpo_loss(policy_c, policy_r, ref_c, ref_r, c.beta, self.loss_type, c.label_smoothing,
                             batch.get("chosen_rewards"), batch.get("rejected_rewards"), c.reward_scale)
         reward_c, reward_r = c.beta * (policy_c - ref_c).detach(), c.beta * (policy_r - ref_r).detach()
-        report = {"accuracy": F.preference_accuracy(reward_c, reward_r).sum(), "reward/chosen": reward_c.sum(),
+        report = {"accuracy": maths.preference_accuracy(reward_c, reward_r).sum(), "reward/chosen": reward_c.sum(),
                   "reward/rejected": reward_r.sum(), "reward/margin": (reward_c - reward_r).sum(),
                   "logps/chosen": policy_c.detach().sum(), "logps/rejected": policy_r.detach().sum()}
         if c.sft_weight:
@@ -69,8 +69,8 @@ class DPO(PreferenceAlgorithm):
         return loss, torch.tensor(policy_c.shape[0], device=sums.device), report
 
 
-class ORPO(PreferenceAlgorithm):
-    """ORPO (`functional.orpo_loss`) on length-averaged log-probs; reference-free. Metrics: loss,
+class ORPO(SequenceObjective):
+    """ORPO (`maths.orpo_loss`) on length-averaged log-probs; reference-free. Metrics: loss,
     loss/nll, loss/odds_ratio, accuracy (chosen mean log-prob above rejected), log_odds_ratio,
     logps/chosen, logps/rejected (mean per token)."""
 
@@ -82,19 +82,19 @@ class ORPO(PreferenceAlgorithm):
 
     def loss(self, sums, counts, batch):
         chosen, rejected = _halves(sums / counts.clamp(min=1))
-        losses = F.orpo_loss(chosen, rejected, self.cfg.odds_ratio_weight)
-        odds = (F.log_odds(chosen) - F.log_odds(rejected)).detach()
+        losses = maths.orpo_loss(chosen, rejected, self.cfg.odds_ratio_weight)
+        odds = (maths.log_odds(chosen) - maths.log_odds(rejected)).detach()
         loss = losses.sum()
         report = {"loss": loss.detach(), "loss/nll": -chosen.detach().sum(),
                   "loss/odds_ratio": -torch.nn.functional.logsigmoid(odds).sum(),
-                  "accuracy": F.preference_accuracy(chosen.detach(), rejected.detach()).sum(),
+                  "accuracy": maths.preference_accuracy(chosen.detach(), rejected.detach()).sum(),
                   "log_odds_ratio": odds.sum(), "logps/chosen": chosen.detach().sum(),
                   "logps/rejected": rejected.detach().sum()}
         return loss, torch.tensor(chosen.shape[0], device=sums.device), report
 
 
-class SimPO(PreferenceAlgorithm):
-    """SimPO (`functional.simpo_loss`) on length-averaged log-probs; reference-free. Metrics: loss,
+class SimPO(SequenceObjective):
+    """SimPO (`maths.simpo_loss`) on length-averaged log-probs; reference-free. Metrics: loss,
     accuracy, reward/chosen and reward/rejected (beta x mean log-prob), reward/margin, logps/*."""
 
     def __init__(self, cfg):
@@ -106,9 +106,9 @@ class SimPO(PreferenceAlgorithm):
     def loss(self, sums, counts, batch):
         c = self.cfg
         chosen, rejected = _halves(sums / counts.clamp(min=1))
-        loss = F.simpo_loss(chosen, rejected, c.beta, c.gamma, c.label_smoothing).sum()
+        loss = maths.simpo_loss(chosen, rejected, c.beta, c.gamma, c.label_smoothing).sum()
         reward_c, reward_r = c.beta * chosen.detach(), c.beta * rejected.detach()
-        report = {"loss": loss.detach(), "accuracy": F.preference_accuracy(reward_c, reward_r).sum(),
+        report = {"loss": loss.detach(), "accuracy": maths.preference_accuracy(reward_c, reward_r).sum(),
                   "reward/chosen": reward_c.sum(), "reward/rejected": reward_r.sum(),
                   "reward/margin": (reward_c - reward_r).sum(), "logps/chosen": chosen.detach().sum(),
                   "logps/rejected": rejected.detach().sum()}
@@ -116,8 +116,8 @@ class SimPO(PreferenceAlgorithm):
 
 
 # ---- KTO ------------------------------------------------------------------------------------------------
-class KTO(PreferenceAlgorithm):
-    """KTO (`functional.kto_loss`) on unpaired samples with summed log-probs. Each step first
+class KTO(SequenceObjective):
+    """KTO (`maths.kto_loss`) on unpaired samples with summed log-probs. Each step first
     estimates the reference point z0 over the whole global batch (so it does not depend on the
     micro-batch or DP split): the policy's and the reference's log-probs of every sample's mismatched
     sequence (`aligner.data.preference`), no grad. Count: samples. Metrics: loss, kl (z0),
@@ -151,14 +151,14 @@ class KTO(PreferenceAlgorithm):
         if ps.is_pipeline_last_stage():
             gap = sum(b["kl_gap"] for b in micro)
             collectives.all_reduce(gap, group=ps.get_data_parallel_group())  # the same on every CP/TP rank already
-            kl = F.kto_kl_estimate(gap, len(samples))
+            kl = maths.kto_kl_estimate(gap, len(samples))
             attach(micro, "kl", [kl] * len(micro))
 
     def loss(self, sums, counts, batch):
         c = self.cfg
         ref = batch["reference"].to(sums)
         desirable = batch["desirable"]
-        losses = F.kto_loss(sums, ref, desirable, batch["kl"], c.beta, c.desirable_weight, c.undesirable_weight)
+        losses = maths.kto_loss(sums, ref, desirable, batch["kl"], c.beta, c.desirable_weight, c.undesirable_weight)
         loss = losses.sum()
         reward = c.beta * (sums - ref).detach()
         weight = batch["class_weight"].to(sums)
@@ -170,15 +170,3 @@ class KTO(PreferenceAlgorithm):
                   "logps/undesirable": (sums.detach() * weight * u).sum(),
                   "fraction/desirable": batch["fraction_desirable"] * len(sums)}
         return loss, torch.tensor(len(sums), device=sums.device), report
-
-
-class SFTObjective(PreferenceAlgorithm):
-    """SFT's next-token NLL through the sequence machinery, for packed SFT batches: one sequence per
-    sample, loss = -(sum of its loss-token log-probs), count = loss tokens (as padded SFT)."""
-
-    def sequences(self, sample) -> list:
-        return [(sample.ids, sample.loss_mask)]
-
-    def loss(self, sums, counts, batch):
-        loss = -sums.sum()
-        return loss, counts.sum(), {"loss": loss.detach()}

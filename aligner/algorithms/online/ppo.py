@@ -1,4 +1,4 @@
-"""`aligner train ppo` (conf/ppo.yaml): one rank of the PPO loop (`ppo_trainer.py`) with its parts, and
+"""`aligner train ppo` (conf/ppo.yaml): one rank of the PPO loop (`online/ppo_trainer.py`) with its parts, and
 the critic service it talks to.
 
 The service is `aligner serve critic` (the critic, trained by `critic_train`, co-hosting the reward model
@@ -8,7 +8,7 @@ deadline and stops it at the end, on error and on Ctrl-C; on resume it is starte
 checkpoint of the actor's step. With `critic.url` it connects to a running service (its `reward_model`
 endpoint scores when `reward.checkpoint` names the model it co-hosts, `reward.url` a separate reward
 server) and tells it to load that step. slurm/ppo.sbatch runs both sides as one heterogeneous job
-(`aligner/algorithms/ppo_hetjob.py`).
+(`aligner/algorithms/online/ppo_hetjob.py`).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ import numpy as np
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms.preference_trainer import packing_enabled
-from aligner.algorithms.ppo_trainer import PPOTrainer
-from aligner.algorithms.reference import Reference
-from aligner.algorithms.rl_setup import build_rl_policy
+from aligner.algorithms.shared.sequence_trainer import packing_enabled
+from aligner.algorithms.online.ppo_trainer import PPOTrainer
+from aligner.algorithms.shared.reference import Reference
+from aligner.algorithms.online.setup import build_rl_policy
 from aligner.data.tokenizer import load_tokenizer
 from aligner.config import load_resolved
 from aligner.config.schema import OptimConfig

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aligner.algorithms.functional import group_advantages, overlong_penalty
+from aligner.algorithms.online.maths import group_advantages, overlong_penalty
 
 
 @dataclass
@@ -74,7 +74,7 @@ def subtract_kl(samples: list[Sample], kl_means: list[float], coef: float) -> No
 
 
 def set_advantages(samples: list[Sample], algorithm) -> torch.Tensor:
-    """Group advantages of the whole step (`functional.group_advantages`), stored on the samples."""
+    """Group advantages of the whole step (`maths.group_advantages`), stored on the samples."""
     rewards = torch.tensor([s.reward for s in samples])
     valid = torch.tensor([s.valid for s in samples])
     baseline = torch.tensor([s.is_end for s in samples]) if algorithm.baseline_ended_only else None

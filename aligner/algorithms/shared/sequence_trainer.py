@@ -1,11 +1,11 @@
 """Offline preference optimisation on the shared trainer loop: what DPO, ORPO, SimPO and KTO share
-(their losses are in `preference_losses.py`).
+(their losses are in `preference/losses.py`).
 
 A step, for every algorithm:
   global batch -> this DP rank's samples -> micro-batches of token sequences (padded, or packed with
   block-causal attention, `aligner.data.packing`) -> forward-only pre-passes: the frozen reference's
-  log-probs (DPO, KTO; `reference.py`) and the policy's log-probs on KTO's mismatched pairs -> the
-  training step with the algorithm's loss on per-sequence log-probs (`sequence_logprobs.py`).
+  log-probs (DPO, KTO; `shared/reference.py`) and the policy's log-probs on KTO's mismatched pairs -> the
+  training step with the algorithm's loss on per-sequence log-probs (`shared/sequence_logprobs.py`).
 Under pipeline parallelism the loss (and the reference log-probs it needs) live on the last stage;
 context parallelism is handled by the forward step (`aligner.models.forward_step`).
 """
@@ -17,24 +17,19 @@ from typing import Sequence
 import torch
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms.reference import Reference, cached_reference
-from aligner.algorithms.sequence_logprobs import interleave, sequence_loss_step
-from aligner.algorithms.trainer import Trainer
+from aligner.algorithms.shared.reference import Reference, cached_reference
+from aligner.algorithms.shared.sequence_logprobs import interleave
+from aligner.algorithms.shared.trainer import Trainer
 from aligner.data.loader import split_for_rank
 from aligner.data.packing import build_micro_batches
-from aligner.data.preference import load_preference_dataset, load_unpaired_dataset
-from aligner.data.tokenizer import load_tokenizer, model_vocab_size
 from aligner.models.checkpoint import unwrap
 from aligner.models import gpt
-from aligner.models.policy import build_policy
 from aligner.models.sdpa_attention import all_fused
-from aligner.models.training import wrap_for_training
-from aligner.runtime import distributed
 
 log = logging.getLogger(__name__)
 
 
-class PreferenceAlgorithm:
+class SequenceObjective:
     """What differs between DPO, ORPO, SimPO and KTO: the sequences a sample trains on, the
     pre-passes that annotate a step's micro-batches, and the loss on per-sequence log-probs."""
 
@@ -49,7 +44,7 @@ class PreferenceAlgorithm:
         """The sequences whose reference log-probs the loss needs (precomputed per sample)."""
         return self.sequences(sample)
 
-    def annotate(self, trainer: "PreferenceTrainer", samples: Sequence, groups: list, micro: list[dict],
+    def annotate(self, trainer: "SequenceTrainer", samples: Sequence, groups: list, micro: list[dict],
                  length: int) -> None:
         """Add what the loss needs to each micro-batch (reference log-probs, rewards, ...)."""
 
@@ -60,11 +55,11 @@ class PreferenceAlgorithm:
         return sum(len(ids) for ids, _ in self.sequences(sample))
 
 
-class PreferenceFormat:
+class SequenceFormat:
     """`BatchFormat` of the preference algorithms (the trainer reads `length` and `tokens`; the
-    micro-batches themselves are built by `PreferenceTrainer`)."""
+    micro-batches themselves are built by `SequenceTrainer`)."""
 
-    def __init__(self, algorithm: PreferenceAlgorithm, pad_id: int):
+    def __init__(self, algorithm: SequenceObjective, pad_id: int):
         self.algorithm, self.pad_id = algorithm, pad_id
 
     def length(self, sample) -> int:
@@ -78,11 +73,11 @@ class PreferenceFormat:
         return build_micro_batches([seqs], self.pad_id)[0][0]
 
 
-class PreferenceTrainer(Trainer):
+class SequenceTrainer(Trainer):
     """The shared loop with preference micro-batches (padded or packed) and the algorithm's
     pre-passes before each step; builds the reference at resume."""
 
-    def __init__(self, *args, algorithm: PreferenceAlgorithm, reference_mode: str | None, packing: dict,
+    def __init__(self, *args, algorithm: SequenceObjective, reference_mode: str | None, packing: dict,
                  **kwargs):
         super().__init__(*args, **kwargs)
         # Packed rows are flat (no padding between bins) where the attention takes block masks; the
@@ -156,29 +151,3 @@ def packing_enabled(cfg) -> bool:
                          "Transformer-Engine attention ignores the block-causal mask and its THD packed format "
                          "is not wired in yet; data.packing=null packs only where it can")
     return bool(cfg.data.packing)
-
-
-# ---- entry point ------------------------------------------------------------------------------------------
-def run(cfg, algorithm: PreferenceAlgorithm, unpaired: bool = False) -> None:
-    """One rank of `aligner train <dpo|orpo|simpo|kto>` with a validated config."""
-    m, d = cfg.model, cfg.data
-    packed = packing_enabled(cfg)
-    distributed.start_training_rank(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer.path)
-    vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
-
-    def load(path):
-        if unpaired:
-            return load_unpaired_dataset(path, tokenizer, d.format, d.max_length, d.overlong)
-        return load_preference_dataset(path, tokenizer, d.format, d.max_length, d.overlong,
-                                       rewards=getattr(algorithm, "rewards", False))
-
-    train, val = load(d.train_path), (load(d.val_path) if d.val_path else None)
-    model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
-    packing = {"packed": packed, "capacity": d.pack_length}
-    mode = cfg.reference.mode if "reference" in cfg else None
-    trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(algorithm.loss, vocab_size),
-                                train, val, PreferenceFormat(algorithm, tokenizer.pad_token_id), vocab_size,
-                                tokenizer, algorithm=algorithm, reference_mode=mode, packing=packing)
-    trainer.fit()
-    distributed.shutdown()

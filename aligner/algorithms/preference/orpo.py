@@ -1,8 +1,8 @@
-"""`aligner train orpo`: odds-ratio preference optimisation (reference-free; `preference_losses.py`)."""
+"""`aligner train orpo`: odds-ratio preference optimisation (reference-free; `preference/losses.py`)."""
 from __future__ import annotations
 
-from aligner.algorithms.preference_losses import ORPO
-from aligner.algorithms.preference_trainer import run as run_preference
+from aligner.algorithms.preference.losses import ORPO
+from aligner.algorithms.preference.run import run_preference
 from aligner.config import load_resolved
 
 

@@ -1,5 +1,5 @@
-"""`aligner train rs` (conf/rs.yaml): rejection sampling, NeMo-Aligner's rs.py, on the online-RL loop's
-pieces (`rl_trainer.py`). `RSTrainer.train_step` is one step, top to bottom:
+"""`aligner train rs` (conf/rs.yaml): rejection sampling, NeMo-Aligner's online/rs.py, on the online-RL loop's
+pieces (`online/rl.py`). `RSTrainer.train_step` is one step, top to bottom:
 
   prompts (the shared loop's stateful sampler, `rs.prompts_per_step` per step)
   -> generate: `rs.num_rollouts_per_prompt` samples per prompt with the in-process engine on the live
@@ -30,17 +30,15 @@ import time
 import torch
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms.preference_losses import SFTObjective
-from aligner.algorithms.preference_trainer import attach, packing_enabled
-from aligner.algorithms.rl_samples import Sample, rollout_metrics
-from aligner.algorithms.rl_setup import build_rl_policy, reward_scorers
-from aligner.algorithms.rl_trainer import RLTrainer, Timings
-from aligner.algorithms.rs_select import flat_winners
-from aligner.algorithms.sequence_logprobs import sequence_loss_step
-from aligner.algorithms.trainer import Trainer
+from aligner.algorithms.shared.sft import SFTObjective
+from aligner.algorithms.shared.sequence_trainer import attach, packing_enabled
+from aligner.algorithms.online.samples import Sample, rollout_metrics
+from aligner.algorithms.online.setup import build_rl_policy, reward_scorers
+from aligner.algorithms.online.rollouts import RolloutTrainer, Timings
+from aligner.algorithms.online.rs_select import flat_winners
+from aligner.algorithms.shared.sequence_logprobs import sequence_loss_step
 from aligner.config import load_resolved
 from aligner.config.rl_schema import RLAlgorithmConfig
-from aligner.generation.types import SamplingParams
 from aligner.models.checkpoint import unwrap
 from aligner.models.sdpa_attention import all_fused
 from aligner.runtime import distributed
@@ -67,40 +65,21 @@ def selection_metrics(samples: list[Sample], kept: list[int]) -> dict:
     return metrics
 
 
-class RSTrainer(RLTrainer):
-    """The RL loop's generation, scoring, micro-batches, update loop, validation and refit check, with
-    RS's step. `RLTrainer.__init__` (policy loss, reference, KL) is not run; the attributes those shared
-    methods read are set here. `self.a` is the RL algorithm config RS amounts to: groups of
-    `rs.num_rollouts_per_prompt` samples, rewards = scores (no over-long shaping), one pass."""
-
-    validate_at_start = True
+class RSTrainer(RolloutTrainer):
+    """The online loop's generation, scoring, micro-batches, update loop, validation and refit check, with
+    RS's step. `self.a` is the RL algorithm config RS amounts to: groups of `rs.num_rollouts_per_prompt`
+    samples, rewards = scores (no over-long shaping), one pass."""
 
     def __init__(self, cfg, model, optimizer, scheduler, prompts, val_prompts, vocab_size: int, tokenizer, engine,
                  scorer, packing: dict, val_scorer=None):
-        """prompts: `aligner.data.prompts.Prompt`s; scorer / val_scorer: `RewardScorer`s on global rank 0,
-        None elsewhere (val_scorer: `reward.val_functions`, scored on validation only)."""
-        Trainer.__init__(self, cfg, model, optimizer, scheduler, None, prompts, val_prompts, None, vocab_size,
-                         tokenizer)
-        r, s = cfg.rs, cfg.sampling
+        r = cfg.rs
+        algorithm = RLAlgorithmConfig(num_generations=r.num_rollouts_per_prompt, prompts_per_step=r.prompts_per_step,
+                                      log_rollouts=r.log_rollouts)
+        super().__init__(cfg, model, optimizer, scheduler, prompts, val_prompts, vocab_size, tokenizer, engine,
+                         scorer, packing, algorithm, val_scorer)
         self.rs = r
-        self.a = RLAlgorithmConfig(num_generations=r.num_rollouts_per_prompt, prompts_per_step=r.prompts_per_step,
-                                   log_rollouts=r.log_rollouts)
-        self.engine, self.scorer, self.val_scorer, self.reference = engine, scorer, val_scorer, None
-        self.packing = packing
-        self.params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                     max_new_tokens=s.max_new_tokens, stop_strings=tuple(s.stop_strings),
-                                     seed=cfg.trainer.seed)
         self.loss_step = sequence_loss_step(kept_sft_loss, vocab_size)
-        self.first_sample_id = 0
-
-    def samples_per_step(self) -> int:
-        return self.cfg.rs.prompts_per_step
-
-    def loop_state(self) -> dict:
-        return {}
-
-    def load_loop_state(self, state: dict) -> None:
-        pass
+        self.kept: list[int] = []  # the step's kept sample indices, for its rollouts file
 
     # ---- one step ---------------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -109,7 +88,7 @@ class RSTrainer(RLTrainer):
             samples = self.generate(self.next_prompts())
         pending = self.submit_scores(samples)
         with timings("score_wait"):
-            self.apply_scores(samples, pending, timings)
+            self.await_scores(samples, pending, timings)
         kept = flat_winners([s.score for s in samples], self.rs.num_rollouts_per_prompt, self.rs.top_n)
         with timings("train"):
             update = self.train_on(samples, kept)
@@ -117,13 +96,8 @@ class RSTrainer(RLTrainer):
             self.engine.refit()
             refit = self.refit_metrics()
         metrics = {**selection_metrics(samples, kept), **update, **refit}
-        timings["step"] = time.perf_counter() - start
-        metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
-        generated = sum(len(s.response_ids) for s in samples)
-        metrics["throughput/generated_tokens_per_s"] = generated / max(timings["generate"], 1e-9)
-        metrics["consumed_samples"] = self.sampler.state_dict()["consumed_samples"]
-        self.write_rollouts(samples, kept)
-        return metrics
+        self.kept = kept
+        return self.finish_step(metrics, timings, start, samples)
 
     def train_on(self, samples: list[Sample], kept: list[int]) -> dict:
         """SFT optimizer steps on the kept samples, trainer.global_batch_size at a time (the RL loop's
@@ -138,14 +112,14 @@ class RSTrainer(RLTrainer):
         update = self.update(micro, length, batch)
         return {k: update[k] for k in ("loss", "lr", "grad_norm", "optimizer_steps")}
 
-    def write_rollouts(self, samples: list[Sample], kept: list[int] = ()) -> None:
+    def write_rollouts(self, samples: list[Sample]) -> None:
         """The first rs.log_rollouts samples with their score and whether they were kept (`valid`, as in
         the RL loop's rows: the sample is learned from)."""
         if not self.is_logger or not self.rs.log_rollouts:
             return
         path = self.run_dir / "rollouts" / f"step_{self.step + 1:06d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        shown, chosen, n = samples[:self.rs.log_rollouts], set(kept), self.rs.num_rollouts_per_prompt
+        shown, chosen, n = samples[:self.rs.log_rollouts], set(self.kept), self.rs.num_rollouts_per_prompt
         texts = self.tokenizer.batch_decode([s.response_ids for s in shown], skip_special_tokens=True)
         with open(path, "w") as f:
             for k, (sample, text) in enumerate(zip(shown, texts)):

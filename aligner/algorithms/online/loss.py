@@ -7,7 +7,7 @@ packed rows) of samples' prompt + response, plus per-sample tensors indexed by *
 `response_mask`, `engine_logprobs` (and later `old_logprobs`, `ref_logprobs`) [n, T], `advantages`
 [n], `response_start` [n] (the prompt length). `response_values` moves the model's per-position
 values into that [n, T] layout (position p of sample i predicts its token p + 1, response token
-p + 1 - response_start[i]), so the maths in `functional` sees one row per sample, however the
+p + 1 - response_start[i]), so the maths in `maths` sees one row per sample, however the
 sequences were packed.
 
 Denominators are global: the loss returns the sum of its terms over the micro-batch's samples with
@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from aligner.algorithms import mismatch
-from aligner.algorithms.functional import aggregate_loss, kl_penalty, masked_sum, policy_loss
-from aligner.algorithms.rl_samples import Sample
+from aligner.algorithms.online import mismatch
+from aligner.algorithms.online.maths import aggregate_loss, kl_penalty, policy_loss
+from aligner.algorithms.shared.maths import masked_sum
+from aligner.algorithms.online.samples import Sample
 from aligner.data.packing import build_micro_batches
 from aligner.generation.trainer_logprobs import filtered_local_logits
 from aligner.generation.types import SamplingParams

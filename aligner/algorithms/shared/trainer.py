@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms.training_step import forward_backward, forward_only, means, optimizer_step
+from aligner.algorithms.shared.training_step import forward_backward, forward_only, means, optimizer_step
 from aligner.data.loader import GlobalBatchSampler, split_for_rank
 from aligner.models import checkpoint
 from aligner.errors import UserError

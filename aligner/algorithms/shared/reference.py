@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import Float16Module
 
-from aligner.algorithms.sequence_logprobs import interleave, logprob_sums
+from aligner.algorithms.shared.sequence_logprobs import interleave, logprob_sums
 from aligner.data.packing import build_micro_batches
 from aligner.models import checkpoint
 from aligner.models.policy import build_policy

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from aligner.algorithms import functional as F
-from aligner.algorithms.preference_losses import SFTObjective
-from aligner.algorithms.preference_trainer import PreferenceFormat, PreferenceTrainer, packing_enabled
-from aligner.algorithms.sequence_logprobs import sequence_loss_step
-from aligner.algorithms.trainer import Trainer
+from aligner.algorithms.shared.maths import token_nll_sum
+from aligner.algorithms.shared.sequence_trainer import (SequenceFormat, SequenceObjective, SequenceTrainer,
+                                                        packing_enabled)
+from aligner.algorithms.shared.sequence_logprobs import sequence_loss_step
+from aligner.algorithms.shared.trainer import Trainer
 from aligner.config import load_resolved
 from aligner.data.loader import collate
 from aligner.data.sft import load_sft_dataset
@@ -20,6 +20,18 @@ from aligner.models.gpt import build_gpt
 from aligner.models.policy import build_policy
 from aligner.models.training import wrap_for_training
 from aligner.runtime import distributed
+
+
+class SFTObjective(SequenceObjective):
+    """SFT's next-token NLL through the sequence machinery, for packed SFT batches: one sequence per
+    sample, loss = -(sum of its loss-token log-probs), count = loss tokens (as padded SFT)."""
+
+    def sequences(self, sample) -> list:
+        return [(sample.ids, sample.loss_mask)]
+
+    def loss(self, sums, counts, batch):
+        loss = -sums.sum()
+        return loss, counts.sum(), {"loss": loss.detach()}
 
 
 class SFTFormat:
@@ -39,7 +51,7 @@ class SFTFormat:
 
 def sft_loss(logprobs: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Next-token NLL summed over loss tokens; normalised by the global loss-token count."""
-    loss = F.token_nll_sum(logprobs, batch["loss_mask"])
+    loss = token_nll_sum(logprobs, batch["loss_mask"])
     return loss, batch["loss_mask"].sum(), {"loss": loss}
 
 
@@ -72,8 +84,8 @@ def run(cfg, condition=None, extra_meta: dict | None = None) -> None:
     if packed:  # several samples per row: the sequence machinery of the preference trainers
         objective = SFTObjective()
         model, optimizer, scheduler = wrap_for_training(build_policy(m, vocab_size), m, cfg.optim)
-        trainer = PreferenceTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(objective.loss, vocab_size),
-                                    train, val, PreferenceFormat(objective, tokenizer.pad_token_id), vocab_size,
+        trainer = SequenceTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(objective.loss, vocab_size),
+                                    train, val, SequenceFormat(objective, tokenizer.pad_token_id), vocab_size,
                                     tokenizer, extra_meta=extra_meta, algorithm=objective, reference_mode=None,
                                     packing={"packed": True, "capacity": d.pack_length})
     else:

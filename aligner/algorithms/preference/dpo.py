@@ -1,9 +1,9 @@
 """`aligner train dpo`: DPO and its variants (sigmoid, robust, hinge, IPO, RPO) against a frozen
-reference; the machinery is in `preference_trainer.py`, the losses in `preference_losses.py` and `functional.py`."""
+reference; the machinery is in `shared/sequence_trainer.py`, the losses in `preference/losses.py` and `preference/maths.py`."""
 from __future__ import annotations
 
-from aligner.algorithms.preference_losses import DPO
-from aligner.algorithms.preference_trainer import run as run_preference
+from aligner.algorithms.preference.losses import DPO
+from aligner.algorithms.preference.run import run_preference
 from aligner.config import load_resolved
 
 

@@ -1,15 +1,15 @@
 """`aligner train grpo` and `aligner train reinforce` (conf/grpo.yaml, conf/reinforce.yaml): one rank of
-the online-RL loop (`rl_trainer.py`) with its parts built from the config: the policy and its
+the online-RL loop (`online/rl.py`) with its parts built from the config: the policy and its
 optimizer, the in-process generation engine on the policy's own weights, the frozen reference
 (unless kl.mode=none), the reward functions (on global rank 0) and the prompt datasets."""
 from __future__ import annotations
 
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms.preference_trainer import packing_enabled
-from aligner.algorithms.reference import Reference
-from aligner.algorithms.rl_setup import build_rl_policy, reward_scorers
-from aligner.algorithms.rl_trainer import RLTrainer
+from aligner.algorithms.shared.sequence_trainer import packing_enabled
+from aligner.algorithms.shared.reference import Reference
+from aligner.algorithms.online.setup import build_rl_policy, reward_scorers
+from aligner.algorithms.online.rl import RLTrainer
 from aligner.config import load_resolved
 from aligner.models.checkpoint import unwrap
 from aligner.models.sdpa_attention import all_fused

@@ -9,7 +9,7 @@ tokenizer unless --tokenizer), so the student's tokens line up with the teacher'
 forward-only on tp*pp ranks through megatron's pipeline schedule (`run_ranks` / `rank_main`, as
 `aligner logprobs`); the top-k is taken vocab-parallel (`vocab_parallel_topk`: k candidates per TP
 rank, never the vocabulary). The last stage's TP-rank 0 writes one chunk file per --chunk-size samples
-(teacher_logits_store.py has the layout). Rerunning the same command after an interruption continues
+(distillation/teacher_store.py has the layout). Rerunning the same command after an interruption continues
 from the first chunk without a file; a directory made for other data, tokenizer, teacher or top-k is
 refused.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from aligner.algorithms import teacher_logits_store as store
+from aligner.algorithms.distillation import teacher_store as store
 from aligner.errors import UsageError, UserError
 
 
@@ -81,7 +81,7 @@ def write_teacher_logits(teacher, data, out, top_k: int, *, tp: int = 1, pp: int
     _prepare_out_dir(out, manifest)
     start = store.first_missing_chunk(out, manifest)
     if start < store.num_chunks(manifest):
-        run_ranks("aligner.algorithms.teacher_logits:_rank_main", [str(out), str(start), str(batch_size), str(tp),
+        run_ranks("aligner.algorithms.distillation.teacher_logits:_rank_main", [str(out), str(start), str(batch_size), str(tp),
                                                                    str(pp)], tp * pp)
     return Path(out)
 

@@ -12,7 +12,7 @@ trunk of a pair tree, each side's reward is read at its last token in its own br
 samples are packed as plain sequences; the losses, metrics and gradients are the padded ones
 (tests/test_packing.py, tests/test_rm.py).
 
-Loss conventions (the maths is in `functional`; the trainer divides sums by the global count):
+Loss conventions (the maths is in `maths`; the trainer divides sums by the global count):
 * `bt`:         -log sigmoid(r_chosen - r_rejected), summed over pairs; count = pairs.
 * `margin_bt`:  -log sigmoid(r_chosen - r_rejected - margin), margin from each record (default 0).
 * `rm.center_coef` c > 0 adds c * (r_chosen + r_rejected)^2 per pair (Eisenstein et al. 2023; TRL's
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from aligner.algorithms import functional as F
-from aligner.algorithms.preference_trainer import (PreferenceAlgorithm, PreferenceFormat, PreferenceTrainer,
+from aligner.algorithms.preference import maths
+from aligner.algorithms.shared.sequence_trainer import (SequenceObjective, SequenceFormat, SequenceTrainer,
                                                    packing_enabled)
-from aligner.algorithms.sequence_logprobs import sequence_loss_step
-from aligner.algorithms.trainer import Trainer
+from aligner.algorithms.shared.sequence_logprobs import sequence_loss_step
+from aligner.algorithms.shared.trainer import Trainer
 from aligner.config import load_resolved
 from aligner.data.preference_rm import load_rm_dataset
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
@@ -48,11 +48,11 @@ from aligner.runtime import distributed
 def pair_loss(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor | None = None,
               center_coef: float = 0.0):
     """chosen, rejected, margins: [pairs] -> (BT loss sum (+ the centering term), report sums)."""
-    loss = F.bradley_terry_loss(chosen, rejected, margins).sum()
+    loss = maths.bradley_terry_loss(chosen, rejected, margins).sum()
     if center_coef:
-        loss = loss + center_coef * F.reward_centering_penalty(chosen, rejected).sum()
+        loss = loss + center_coef * maths.reward_centering_penalty(chosen, rejected).sum()
     delta = (chosen - rejected).detach()
-    report = {"loss": loss.detach(), "accuracy": F.preference_accuracy(chosen.detach(), rejected.detach()).sum(),
+    report = {"loss": loss.detach(), "accuracy": maths.preference_accuracy(chosen.detach(), rejected.detach()).sum(),
               "reward/margin": delta.sum(), "reward/chosen": chosen.detach().sum(),
               "reward/rejected": rejected.detach().sum()}
     return loss, report
@@ -60,7 +60,7 @@ def pair_loss(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tenso
 
 def regression_loss(predicted: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
     """predicted, labels, mask: [b, attributes] -> (squared-error sum, count, report sums)."""
-    squared = F.masked_squared_error(predicted, labels, mask)
+    squared = maths.masked_squared_error(predicted, labels, mask)
     loss = squared.sum()
     return loss, mask.sum(), {"loss": loss.detach(), "abs_error": squared.detach().sqrt().sum()}
 
@@ -119,7 +119,7 @@ def scored_sequence(ids, pad_id: int):
     return list(ids) + [pad_id], [0] * len(ids) + [1]
 
 
-class PackedRewardObjective(PreferenceAlgorithm):
+class PackedRewardObjective(SequenceObjective):
     """Reward-model losses through the sequence machinery of the preference trainers, so packed
     rows compute a pair's common prefix once (`aligner.data.packing`): per-sequence sums of the head
     outputs over the one masked position are the rewards. `kind`: "pairs", "margin_pairs" or
@@ -188,8 +188,8 @@ class RewardModelTrainer(Trainer):
         super().resume()
 
 
-class PackedRewardModelTrainer(RewardModelTrainer, PreferenceTrainer):
-    """`RewardModelTrainer` whose micro-batches are built by `PreferenceTrainer` (the packed
+class PackedRewardModelTrainer(RewardModelTrainer, SequenceTrainer):
+    """`RewardModelTrainer` whose micro-batches are built by `SequenceTrainer` (the packed
     sequences of a `PackedRewardObjective`)."""
 
 
@@ -223,7 +223,7 @@ def run(cfg) -> None:
         model, optimizer, scheduler = wrap_for_training(model, m, cfg.optim)
         step = sequence_loss_step(objective.loss, vocab_size, head_values)
         trainer = PackedRewardModelTrainer(cfg, model, optimizer, scheduler, step, train, val,
-                                           PreferenceFormat(objective, tokenizer.pad_token_id), vocab_size,
+                                           SequenceFormat(objective, tokenizer.pad_token_id), vocab_size,
                                            tokenizer, head_meta=head_meta, algorithm=objective, reference_mode=None,
                                            packing={"packed": True, "capacity": d.pack_length})
     else:

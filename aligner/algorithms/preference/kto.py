@@ -1,9 +1,9 @@
 """`aligner train kto`: Kahneman-Tversky optimisation on unpaired desirable / undesirable samples
-against a frozen reference, with the batch KL reference point (`preference_losses.py`)."""
+against a frozen reference, with the batch KL reference point (`preference/losses.py`)."""
 from __future__ import annotations
 
-from aligner.algorithms.preference_losses import KTO
-from aligner.algorithms.preference_trainer import run as run_preference
+from aligner.algorithms.preference.losses import KTO
+from aligner.algorithms.preference.run import run_preference
 from aligner.config import load_resolved
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from aligner.algorithms.functional import masked_mean
+from aligner.algorithms.shared.maths import masked_mean
 
 
 def _mask(trainer: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

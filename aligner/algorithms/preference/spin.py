@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms.preference_losses import DPO
-from aligner.algorithms.preference_trainer import PreferenceFormat, PreferenceTrainer
-from aligner.algorithms.reference import named_parameters
-from aligner.algorithms.sequence_logprobs import sequence_loss_step
+from aligner.algorithms.preference.losses import DPO
+from aligner.algorithms.shared.sequence_trainer import SequenceFormat, SequenceTrainer
+from aligner.algorithms.shared.reference import named_parameters
+from aligner.algorithms.shared.sequence_logprobs import sequence_loss_step
 from aligner.config import load_resolved
 from aligner.data.preference import PreferencePair
 from aligner.data.sft import load_sft_dataset
@@ -70,7 +70,7 @@ def generation_metrics(truths: list[list[int]], generations: list[list[int]]) ->
             "spin/response_length": sum(map(len, generations)) / len(generations)}
 
 
-class SPINTrainer(PreferenceTrainer):
+class SPINTrainer(SequenceTrainer):
     """The preference loop with a generation phase: at each iteration boundary `generate` renews the
     pairs and the reference, then the iteration's steps train DPO on them."""
 
@@ -159,7 +159,7 @@ def run(cfg) -> None:
     mode = cfg.reference.mode
     placeholder = spin_pairs(list(prompts), list(truths), list(truths), d.max_length)  # replaced at the first step
     trainer = SPINTrainer(cfg, model, optimizer, scheduler, sequence_loss_step(dpo.loss, vocab_size),
-                          placeholder, None, PreferenceFormat(dpo, tokenizer.pad_token_id), vocab_size, tokenizer,
+                          placeholder, None, SequenceFormat(dpo, tokenizer.pad_token_id), vocab_size, tokenizer,
                           algorithm=dpo, reference_mode=mode, packing={"packed": False, "capacity": None},
                           prompts=list(prompts), truths=list(truths), engine=engine, spin_cfg=cfg.spin)
     trainer.fit()

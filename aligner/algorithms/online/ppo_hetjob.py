@@ -1,7 +1,7 @@
 """The plan of slurm/ppo.sbatch, PPO as one heterogeneous Slurm job: component 0 runs the critic (+ reward)
 service, component 1 the actor. Checked before anything starts.
 
-    python -m aligner.algorithms.ppo_hetjob JOB_ID [ppo overrides]
+    python -m aligner.algorithms.online.ppo_hetjob JOB_ID [ppo overrides]
 
 reads the job's components (`scontrol show job -o`), composes and validates the PPO config as the
 actor will see it, checks each component's nodes, tasks and GPUs against the parallel sizes, and
@@ -81,7 +81,7 @@ def first_host(nodelist: str) -> str:
 
 
 def plan(job_id: int, overrides: list[str], scontrol_lines: str, host_of=first_host) -> dict[str, list[str] | str]:
-    from aligner.algorithms.ppo import embedded_overrides
+    from aligner.algorithms.online.ppo import embedded_overrides
     from aligner.config import compose_config
     from aligner.config.validate import validate
 

@@ -1,5 +1,5 @@
-"""The PPO step (`aligner train ppo`): DESIGN.md section 3 with the critic, on top of the RL loop of
-`rl_trainer.py`. `PPOTrainer.train_step`, top to bottom:
+"""The PPO step (`aligner train ppo`, README "PPO with the critic service"), on top of the online loop of
+`online/rl.py`. `PPOTrainer.train_step`, top to bottom:
 
   prompts -> generate in rollout micro-batches of `generation.batch_size` prompts; as soon as one is
      generated, its critic-values and reward-model requests go out as futures (generation overlaps them)
@@ -13,7 +13,7 @@
   -> the adaptive KL coefficient -> metrics.
 Only global rank 0 talks to the service; what it receives is broadcast. A checkpoint at step N first has
 the service save the critic for step N, then saves the actor, so the newest actor checkpoint always has
-its critic (`ppo.py` starts or tells the service to load that step on resume).
+its critic (`online/ppo.py` starts or tells the service to load that step on resume).
 
 Per-response-token tensors are [N, T] over the step's N samples (T = the longest response); the critic's
 value for response token j of a sample with prompt length P is its value at position P - 1 + j (the state
@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms import functional as F
-from aligner.algorithms import rl_samples
-from aligner.algorithms.preference_trainer import attach
-from aligner.algorithms.rl_samples import Sample
-from aligner.algorithms.rl_trainer import RLTrainer, Timings
+from aligner.algorithms.online import maths
+from aligner.algorithms.shared.maths import masked_mean
+from aligner.algorithms.online import samples as rl_samples
+from aligner.algorithms.online.samples import Sample
+from aligner.algorithms.online.rl import RLTrainer, Timings
 from aligner.runtime.preemption import Preempted
 from aligner.runtime import collectives
 
@@ -63,13 +63,9 @@ class PPOTrainer(RLTrainer):
         timings, start = Timings(), time.perf_counter()
         samples, pending = self.rollouts_with_requests(timings)
         micro, length, mine = self.micro_batches(samples)
-        with timings("logprobs"):
-            self.attach_old_logprobs(micro, length)
-        with timings("reference"):
-            if self.reference is not None:
-                attach(micro, "ref_logprobs", self.reference_logprobs(micro, length))
+        self.logprob_passes(micro, length, timings)
         with timings("critic_wait"):
-            values, scores, served = self.collect(samples, pending)
+            values, scores, served = self.await_service(samples, pending)
         timings["critic_infer_server"] = served
         rl_samples.apply_scores(samples, scores, self.a, self.params.max_new_tokens)
         if self.a.mask_truncated:
@@ -78,11 +74,11 @@ class PPOTrainer(RLTrainer):
         mask = self.response_table(samples, lambda s: [float(s.valid)] * len(s.response_ids))
         kl = self.gathered(micro, mine, samples, "kl")
         sequence_kl = (kl * mask).sum(-1)
-        rewards = F.token_rewards(self.shaped_scores(samples), kl, mask, self.kl_coef)
-        advantages, returns = F.gae(rewards, values, mask, self.a.gamma, self.a.lam)
+        rewards = maths.token_rewards(self.shaped_scores(samples), kl, mask, self.kl_coef)
+        advantages, returns = maths.gae(rewards, values, mask, self.a.gamma, self.a.lam)
         if self.a.whiten_advantages:
-            mean = F.masked_mean(advantages, mask)
-            var = F.masked_mean((advantages - mean).pow(2), mask)
+            mean = masked_mean(advantages, mask)
+            var = masked_mean((advantages - mean).pow(2), mask)
             advantages = torch.where(mask.bool(), (advantages - mean) * torch.rsqrt(var + 1e-8), 0.0)
         for s, row in zip(samples, advantages):
             s.advantage = float(row[:len(s.response_ids)].sum())  # the rollouts file's summary only
@@ -105,25 +101,19 @@ class PPOTrainer(RLTrainer):
             critic = self.collect_critic_train(training)
         metrics = {**rl_samples.rollout_metrics(samples, 0, self.a.prompts_per_step), **update, **refit, **critic}
         valid = mask.bool()
-        metrics.update({"returns/mean": F.masked_mean(returns, mask).item(),
-                        "value/mean": F.masked_mean(values, mask).item(),
-                        "value/explained_variance": F.explained_variance(values, returns, mask).item(),
-                        "kl/mean": F.masked_mean(kl, mask).item() if valid.any() else 0.0,
+        metrics.update({"returns/mean": masked_mean(returns, mask).item(),
+                        "value/mean": masked_mean(values, mask).item(),
+                        "value/explained_variance": maths.explained_variance(values, returns, mask).item(),
+                        "kl/mean": masked_mean(kl, mask).item() if valid.any() else 0.0,
                         "kl/sequence_mean": sequence_kl[valid.any(-1)].mean().item() if valid.any() else 0.0,
                         "kl/coef": self.kl_coef, "critic_warmup": float(warmup),
-                        "advantages/mean": F.masked_mean(advantages, mask).item(),
-                        "advantages/std": F.masked_mean((advantages - F.masked_mean(advantages, mask)).pow(2),
+                        "advantages/mean": masked_mean(advantages, mask).item(),
+                        "advantages/std": masked_mean((advantages - masked_mean(advantages, mask)).pow(2),
                                                         mask).sqrt().item()})
         if self.a.kl.target is not None and not warmup:
-            self.kl_coef = F.adaptive_kl_coef(self.kl_coef, metrics["kl/sequence_mean"], self.a.kl.target,
+            self.kl_coef = maths.adaptive_kl_coef(self.kl_coef, metrics["kl/sequence_mean"], self.a.kl.target,
                                               self.a.kl.horizon, len(samples))
-        timings["step"] = time.perf_counter() - start
-        metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
-        generated = sum(len(s.response_ids) for s in samples)
-        metrics["throughput/generated_tokens_per_s"] = generated / max(timings["generate"], 1e-9)
-        metrics["consumed_samples"] = self.sampler.state_dict()["consumed_samples"]
-        self.write_rollouts(samples)
-        return metrics
+        return self.finish_step(metrics, timings, start, samples)
 
     # ---- rollouts and the service ------------------------------------------------------------------------
     def rollouts_with_requests(self, timings: Timings) -> tuple[list[Sample], list]:
@@ -140,7 +130,7 @@ class PPOTrainer(RLTrainer):
                 pending.append(self.service.submit(part, self.tokenizer))
         return samples, pending
 
-    def collect(self, samples: list[Sample], pending: list) -> tuple[torch.Tensor, list, float]:
+    def await_service(self, samples: list[Sample], pending: list) -> tuple[torch.Tensor, list, float]:
         """(values [N, T], scores (None = unscored), the service's own seconds), on every rank."""
         result = None
         if self.service is not None:
@@ -219,7 +209,7 @@ class PPOTrainer(RLTrainer):
             rows = {id(s): i for i, s in enumerate(samples)}
             k = 0
             for batch in micro:
-                values = F.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], str(self.a.kl.estimator))
+                values = maths.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], str(self.a.kl.estimator))
                 for row in values * batch["response_mask"]:
                     sample = mine[k]
                     table[rows[id(sample)], :len(sample.response_ids)] = row[:len(sample.response_ids)]
