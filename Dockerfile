@@ -6,7 +6,7 @@
 # Nothing third-party is rebuilt or patched: torch, Transformer Engine, NCCL and CUDA are the base's, and
 # the build stops if they are not the versions below.
 #
-# Every version is pinned here once, as an ARG; tests/test_dockerfile.py checks them against pyproject.toml's
+# Every version is pinned here once, as an ARG; tests/unit/test_dockerfile.py checks them against pyproject.toml's
 # extras and README's "GPU image versions" table: change the three together.
 #   docker build -t aligner:gpu .
 ARG TENSORRT_LLM_VERSION=1.2.1

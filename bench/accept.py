@@ -4,7 +4,7 @@
 
 On the GPU machine, scripts/device/accept.sh installs the carried wheels and runs this within 8 minutes.
 `--dry-run` runs every check on CPU at tiny sizes (fp32 runs stay fp32, bf16 runs are CPU bf16, the ~1B model
-becomes a 4-layer one, a few steps); tests/test_device_kit.py runs it in CI, so the kit cannot rot between loans.
+becomes a 4-layer one, a few steps); tests/e2e/test_device_kit.py runs it in CI, so the kit cannot rot between loans.
 The checks, in order (bench/accept_checks.py holds each, its sizes and its gates):
   env         GPU, driver, torch, CUDA, NCCL, megatron-core, TE / TensorRT-LLM present or absent, `aligner doctor`
   pytest_gpu  `pytest -m gpu`

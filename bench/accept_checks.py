@@ -286,7 +286,7 @@ def env(ctx: Context) -> dict:
 
 def pytest_gpu(ctx: Context) -> dict:
     """`pytest -m gpu` over the test files that hold a gpu-marked test; counts and failures from its JUnit XML."""
-    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("*/test_*.py")
                    if "pytest.mark.gpu" in p.read_text())
     xml = ctx.dir / "pytest_gpu.xml"
     xml.unlink(missing_ok=True)

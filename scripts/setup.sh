@@ -26,5 +26,5 @@ print(f"aligner env ready: torch {torch.__version__}, megatron-core {megatron.co
       f"shared libpython: {bool(sysconfig.get_config_var('Py_ENABLE_SHARED'))}")
 if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
     print("warning: this Python has no shared libpython; the PyTriton servers (aligner serve, "
-          "tests/test_server.py) need one: use a Python built with --enable-shared")
+          "tests/integration/test_server.py) need one: use a Python built with --enable-shared")
 PY

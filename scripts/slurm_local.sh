@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real Slurm cluster on this one machine, to run slurm/*.sbatch unchanged (tests/test_preemption.py):
+# A real Slurm cluster on this one machine, to run slurm/*.sbatch unchanged (tests/e2e/test_preemption.py):
 # NODES fake nodes (slurmd each) on 127.0.0.1 with 8 fake GPUs apiece, a controller and munge, all
 # under $BASE, no systemd. Needs root. Debian's slurm-wlm is installed when missing. Idempotent.
 #   bash scripts/slurm_local.sh install  # only the packages (.ci/run)

@@ -1,4 +1,4 @@
-"""Rank entry point of tests/test_generation_backends.py: 2 ranks, TP=1 (two data-parallel replicas).
+"""Rank entry point of tests/integration/test_generation_backends.py: 2 ranks, TP=1 (two data-parallel replicas).
 
 * `generate_on_rank0`, the routing of the TensorRT-LLM backend, with a megatron engine on rank 0 standing in
   for TensorRT-LLM (which cannot run here): each replica's rollout must equal what its own engine generates

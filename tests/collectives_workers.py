@@ -1,4 +1,4 @@
-"""Rank entry point of tests/test_collectives.py: the collectives module's conventions at world size 2 on
+"""Rank entry point of tests/integration/test_collectives.py: the collectives module's conventions at world size 2 on
 gloo. argv[0]: a directory; rank r writes r.json with what each call returned (the test compares)."""
 from __future__ import annotations
 

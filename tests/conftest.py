@@ -14,6 +14,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items):
+    """Each test is marked by its folder's tier, so `-m unit` equals `pytest tests/unit`."""
+    for item in items:
+        tier = Path(item.fspath).parent.name
+        if tier in TIERS:
+            item.add_marker(tier)
 REWARDS = "tests.rl_reward_fixtures"  # reward functions for the RL tests (module:function)
 
 

@@ -1,4 +1,4 @@
-"""Rank entry point for the generation-engine tests (launched by tests/test_generation_engine.py).
+"""Rank entry point for the generation-engine tests (launched by tests/integration/test_generation_engine.py).
 
 One 2-rank launch runs every multi-process check, re-initialising megatron's parallel state per phase:
   tp1 (TP=1, the 2 ranks are DP replicas): references by full recompute without a KV cache, both

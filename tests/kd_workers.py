@@ -1,4 +1,4 @@
-"""Rank entry points for tests/test_kd.py: the vocab-parallel KD loss, its gradient and the top-k at TP=2
+"""Rank entry points for tests/e2e/test_kd.py: the vocab-parallel KD loss, its gradient and the top-k at TP=2
 against the same functions at TP=1 on the same tensors.
 
 `loss_parity`: every rank draws the same full-vocabulary logits (VOCAB real ids padded to PADDED columns,

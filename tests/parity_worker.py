@@ -1,4 +1,4 @@
-"""Rank entry points for the parallelism parity tests (launched by tests/test_parallel_parity.py), and
+"""Rank entry points for the parallelism parity tests (launched by tests/integration/test_parallel_parity.py), and
 the helpers that compare a parallel layout's tensors with a TP=1 run's (also used by the preference and
 generation rank entry points).
 

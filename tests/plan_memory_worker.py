@@ -1,4 +1,4 @@
-"""Run a real `aligner train` on CPU ranks and record each rank's memory for tests/test_plan_memory.py.
+"""Run a real `aligner train` on CPU ranks and record each rank's memory for tests/integration/test_plan_memory.py.
 
     python -m tests.plan_memory_worker ALGORITHM OUT_DIR [overrides...]
 

@@ -1,4 +1,4 @@
-"""Rank entry points for the preference parity tests (tests/test_preference_parity.py).
+"""Rank entry points for the preference parity tests (tests/integration/test_preference_parity.py).
 
 `reference WORKDIR TOKENIZER`: one process, TP=PP=CP=DP=1. Saves the initial weights as a
 checkpoint (the policy and its reference both start from it, as with `model.pretrained`), then runs

@@ -1,4 +1,4 @@
-"""Subprocess side of tests/test_recipes.py (a fresh process: its own torch.distributed world).
+"""Subprocess side of tests/e2e/test_recipes.py (a fresh process: its own torch.distributed world).
 
     python -m tests.recipe_workers meta SPEC.json     one pipeline stage's GPTModel on the meta device per entry
     python -m tests.recipe_workers recompute          tiny model: gradients with and without recomputation

@@ -1,4 +1,4 @@
-"""Rank entry point of tests/test_weight_stream_collectives.py: the weight stream's collective calls.
+"""Rank entry point of tests/integration/test_weight_stream_collectives.py: the weight stream's collective calls.
 
 argv: <workdir> <layouts as JSON [[tp, pp], ...]>. <workdir>/hf.pt holds a tiny Hugging Face model
 ({"config": HF config dict, "state": state dict}). For each layout (one launch, several layouts) every

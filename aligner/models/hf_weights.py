@@ -36,7 +36,7 @@ SEQUENCE_CLASSIFICATION = {"LlamaForSequenceClassification": "LlamaForCausalLM",
                            "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                            "MistralForSequenceClassification": "MistralForCausalLM"}
 # Megatron's RotaryEmbedding._apply_scaling (llama3 rope) takes only `factor` from us; the rest are
-# its fixed defaults, which an HF config must match (tests/test_hf_weights.py checks these against megatron).
+# its fixed defaults, which an HF config must match (tests/integration/test_hf_weights.py checks these against megatron).
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 

@@ -16,7 +16,7 @@ def with_token_positions(gpt):
     megatron's GPTModel applies rotary embeddings by row position for `rope`; its `mrope` path reads
     per-token positions from `position_ids` [3, batch, seq] and uses section i of the frequencies from
     position row i. With every frequency in section 0 that is plain RoPE at the given positions
-    (bitwise equal to `rope` for row positions; tests/test_packing.py). The frequencies are taken over
+    (bitwise equal to `rope` for row positions; tests/unit/test_packing.py). The frequencies are taken over
     from the model, so Llama-3.1 scaling is kept. Rotary embeddings hold no weights: checkpoints do not
     change. Returns `gpt`."""
     if gpt.position_embedding_type != "rope":

@@ -1,7 +1,7 @@
 """Time of a step: pure functions of FLOPs, bytes and the accelerator's figures (aligner/plan/hardware.py).
 
 One set of constants for every case (calibrated once against published figures, never per case:
-tests/test_plan.py and the planner's README section list the figures and the errors):
+tests/e2e/test_plan.py and the planner's README section list the figures and the errors):
 * `MFU`: the fraction of the peak dense FLOP/s that Megatron training reaches on large Llama models.
   Megatron/NeMo's published H100 runs of Llama 3 8B and 70B reach 711 and 734 model TFLOP/s per GPU
   in FP8 (NeMo 24.12 performance summary), about 0.37 of the FP8 peak; BF16 runs of this size are

@@ -1,4 +1,4 @@
-"""Every torch.distributed collective of aligner goes through here (tests/test_collectives.py scans
+"""Every torch.distributed collective of aligner goes through here (tests/integration/test_collectives.py scans
 for direct calls), so that a GPU run can never hand NCCL a CPU tensor.
 
 Convention: a tensor is moved to its process group's device before the call (an NCCL group: the

@@ -10,7 +10,7 @@ Packed (`data.packing`; by default on the local layer spec), the batches are tho
 trainers instead (`aligner.data.packing`): a pair's common prefix (the prompt) is computed once as the
 trunk of a pair tree, each side's reward is read at its last token in its own branch, and regression
 samples are packed as plain sequences; the losses, metrics and gradients are the padded ones
-(tests/test_packing.py, tests/test_rm.py).
+(tests/unit/test_packing.py, tests/e2e/test_rm.py).
 
 Loss conventions (the maths is in `maths`; the trainer divides sums by the global count):
 * `bt`:         -log sigmoid(r_chosen - r_rejected), summed over pairs; count = pairs.

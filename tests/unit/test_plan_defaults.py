@@ -20,7 +20,7 @@ def test_dpo_on_the_8b_fits_one_node_with_the_model_files_defaults():
     assert out["fits"], out["errors"]
     actor, reference = out["components"]["actor"], out["components"]["reference"]
     assert actor["layout"] == "TP2 PP1 CP1 DP4"
-    # independent of the planner: 8,030,261,248 parameters (tests/test_plan.py), halved by TP 2 up to the two
+    # independent of the planner: 8,030,261,248 parameters (tests/e2e/test_plan.py), halved by TP 2 up to the two
     # replicated norms a layer and the final norm; bf16 weights, fp32 gradients, Adam's 12 bytes over DP 4
     per_gpu = (8_030_261_248 - 65 * 4096) / 2 + 65 * 4096
     assert actor["params_gib"] == pytest.approx(2 * per_gpu / GIB, rel=1e-3)

@@ -13,7 +13,7 @@ import yaml
 
 from aligner.observe import doctor
 from tests.conftest import REPO, read_metrics, run_cli
-from tests.test_rl_loop import grpo_args
+from tests.e2e.test_rl_loop import grpo_args
 
 STEPS = 30
 

@@ -8,9 +8,9 @@ import subprocess
 from pathlib import Path
 
 from tests.conftest import read_metrics
-from tests.test_report import ARTIFACTS, open_in_chromium
+from tests.e2e.test_report import ARTIFACTS, open_in_chromium
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_example_runs_end_to_end(tmp_path):

@@ -1,6 +1,6 @@
 """The plan of slurm/ppo.sbatch (aligner/algorithms/online/ppo_hetjob.py): the job's components read from `scontrol`,
 each side's arguments and job-derived ports, and a layout the job cannot hold refused with the
-component and the key. The job itself runs on the local Slurm cluster in tests/test_ppo.py."""
+component and the key. The job itself runs on the local Slurm cluster in tests/e2e/test_ppo.py."""
 from __future__ import annotations
 
 import re

@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_MODULE_LINES = 420
 
 
@@ -12,7 +12,8 @@ def test_imports_point_down_the_layers():
     lint = Path(sys.executable).with_name("lint-imports")
     result = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "1 kept, 0 broken" in result.stdout
+    contracts = (ROOT / "pyproject.toml").read_text().count("[[tool.importlinter.contracts]]")
+    assert f"{contracts} kept, 0 broken" in result.stdout
 
 
 def test_no_module_is_over_about_400_lines():

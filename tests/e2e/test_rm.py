@@ -193,7 +193,7 @@ _runs, _rm_checkpoints = {}, {}
 def _train(assets, data, tmp_path_factory, name, *layout, steps=STEPS):
     # Padded: at this learning rate a step-3 gradient spike makes runs chaotic, so the held-out score
     # belongs to one trajectory (packed runs agree step for step but drift apart from step ~8 on,
-    # from float rounding; tests/test_example.py trains the packed default end to end).
+    # from float rounding; tests/e2e/test_example.py trains the packed default end to end).
     run_dir = tmp_path_factory.mktemp(f"rm_{name}")
     result = run_cli(*rm_args(assets, data, run_dir, f"trainer.max_steps={steps}", f"trainer.val_interval={steps}",
                               f"data.val_path={data / 'val.jsonl'}", "trainer.val_batches=8", "data.packing=false",

@@ -23,7 +23,7 @@ def test_overrides_parse_and_reject_unknown_keys():
 
 
 def test_generate_main_reports_usage_errors(tmp_path):
-    """The errors reach the user as one line through aligner.cli (tests/test_errors.py): here, their kind."""
+    """The errors reach the user as one line through aligner.cli (tests/e2e/test_errors.py): here, their kind."""
     from aligner.errors import UsageError, UserError
 
     prompts = tmp_path / "p.jsonl"

@@ -2,7 +2,7 @@
 
 A table is a ```text block whose first line is `$ aligner plan ...`; `$(grep -Ev '...' FILE)` in it stands
 for FILE's overrides (one a line, comments and blank lines skipped), as a shell expands it. After a change
-to the planner, `python -m tests.test_readme_plans` rewrites every block with the current output."""
+to the planner, `python -m tests.unit.test_readme_plans` rewrites every block with the current output."""
 import contextlib
 import io
 import re
@@ -50,7 +50,7 @@ def test_the_readmes_show_the_plans_the_issue_asks_for():
 def test_a_readme_plan_is_the_planners_output(readme, command, shown):
     code, printed = plan_output(command)
     assert code == 0, printed  # every layout shown in a README fits
-    assert printed.strip() == shown.strip(), f"{readme}: rerun `python -m tests.test_readme_plans`"
+    assert printed.strip() == shown.strip(), f"{readme}: rerun `python -m tests.unit.test_readme_plans`"
 
 
 def rewrite() -> None:

@@ -158,7 +158,7 @@ def test_generate_in_batches_writes_what_one_call_did_and_logs_summaries(rl_asse
     assert "generate: prompt 7/7 (100%)" in result.stderr and "ETA 0s" in result.stderr, result.stderr[-3000:]
     assert not any(mark in result.stderr for mark in BAR_MARKS) and not ETA.search(result.stderr), result.stderr
 
-    reference = subprocess.run([sys.executable, "-c", "import sys; from tests.test_progress import one_call_outputs; "
+    reference = subprocess.run([sys.executable, "-c", "import sys; from tests.e2e.test_progress import one_call_outputs; "
                                 "one_call_outputs(*sys.argv[1:])", str(model), str(prompts), str(tmp_path / "one_")],
                                cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]

@@ -17,7 +17,7 @@ from aligner.errors import UsageError
 from aligner.observe import report, report_html
 from tests.conftest import run_cli
 
-ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 HOSTILE = "<script>alert(1)</script>"
 GRPO_TIMING = {"generate": 0.4, "logprobs": 0.05, "reference": 0.1, "score": 0.3, "score_wait": 0.02, "train": 0.5,
                "refit": 0.001}

@@ -8,7 +8,7 @@ import pytest
 
 from aligner.runtime import collectives
 
-PACKAGE = Path(__file__).resolve().parents[1] / "aligner"
+PACKAGE = Path(__file__).resolve().parents[2] / "aligner"
 COLLECTIVES = {
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv", "isend",

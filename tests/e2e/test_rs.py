@@ -13,7 +13,7 @@ import pytest
 from aligner.algorithms.online.rs_select import flat_winners, select_winners
 from tests.conftest import assert_cli_ok, read_metrics, run_cli, write_jsonl_lines
 
-SCRIPTED = "tests.test_rs:scripted"
+SCRIPTED = "tests.e2e.test_rs:scripted"
 
 
 def scripted(prompt: str, response: str, /, unscorable: bool = False, **fields) -> float | None:

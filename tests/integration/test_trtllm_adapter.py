@@ -39,7 +39,7 @@ def test_outputs_become_a_rollout():
 
 
 def test_send_weight_stream_hands_over_contiguous_tensors_and_finishes():
-    # one process (across ranks: tests/test_weight_stream_collectives.py); an empty bucket is no update
+    # one process (across ranks: tests/integration/test_weight_stream_collectives.py); an empty bucket is no update
     stream = [{"a": torch.zeros(1)}, {}, {"b": torch.ones(2, 3).t(), "c": torch.ones(3)}]
     updates = []
     buckets = send_weight_stream(stream, "GPU-x", "cpu", lambda t: (t.numel(), t.is_contiguous()), updates.append)

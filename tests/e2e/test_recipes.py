@@ -3,7 +3,7 @@
 For each stage: the recipe's overrides (read with the sbatch script's own grep) plus the README's command line
 compose and pass `aligner train`'s checks, in the world size the sbatch script asks Slurm for; the starting
 checkpoint is a stand-in with the aligner.json that `aligner convert hf-to-mcore` writes for the real model (its
-architecture from the HF config transcribed in tests/test_model_configs.py). PPO goes through the hetjob plan that
+architecture from the HF config transcribed in tests/unit/test_model_configs.py). PPO goes through the hetjob plan that
 slurm/ppo.sbatch runs, with the components read from the recipe's #SBATCH headers, and the service side through
 `aligner serve critic`'s checks. Then the first, a middle and the last pipeline stage of each layout are built on the
 meta device in a fake process group of the recipe's size (tests/recipe_workers.py) and their parameters counted
@@ -27,7 +27,7 @@ from aligner.config import load_config
 from aligner.config.schema import ModelConfig
 from aligner.models import checkpoint, hf_weights as hw
 from tests.conftest import REPO, cli_env, write_jsonl_lines
-from tests.test_model_configs import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B
+from tests.unit.test_model_configs import LLAMA3_8B, LLAMA3_70B, LLAMA31_405B
 
 EXAMPLES = REPO / "examples"
 # recipe -> (HF config of its model, {stage: (nodes, data-parallel size)})
