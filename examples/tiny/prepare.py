@@ -1,6 +1,6 @@
 """Build the tiny example's inputs with no download: a byte-level BPE tokenizer (vocab 512),
 synthetic arithmetic chat data for SFT, preference pairs (right answer vs a near miss) for the reward
-model and DPO, arithmetic prompts with their answers for GRPO, and held-out prompts (rendered with the chat template) for generation.
+model and DPO, arithmetic prompts with their answers for GRPO, and the held-out prompts again, rendered with the chat template, for generation.
 
     python examples/tiny/prepare.py --out runs/tiny
 """
@@ -36,8 +36,8 @@ def main() -> None:
     # 256 held-out prompts: the accuracy's standard error is about 0.03 (0.06 with 64)
     write_arithmetic_prompts(out / "rl_val.jsonl", 256, seed=7, max_operand=args.max_operand)
     tokenizer = load_tokenizer(out / "tokenizer")
-    with open(out / "prompts.jsonl", "w") as f:
-        for problem in arithmetic_problems(8, seed=5, max_operand=args.max_operand):
+    with open(out / "prompts.jsonl", "w") as f:  # rl_val's problems, rendered for `aligner generate`
+        for problem in arithmetic_problems(256, seed=7, max_operand=args.max_operand):
             user_turn = chat_messages(problem)[:1]
             text = tokenizer.apply_chat_template(user_turn, tokenize=False, add_generation_prompt=True)
             f.write(json.dumps({"prompt": text, "answer": problem["answer"]}) + "\n")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The built-in tiny example, end to end on a CPU: set up, build tokenizer + data, then SFT; from the SFT weights,
 # GRPO (the `arithmetic` exact-answer reward, in the background) alongside reward model -> DPO -> generate with the
-# DPO policy -> PPO (the reward model served with the critic); prints GRPO's greedy accuracy before and after and
-# PPO's reward and accuracy before and after.
+# DPO policy -> PPO (the reward model served with the critic); prints the greedy accuracy of GRPO, DPO and PPO on the
+# same held-out prompts before and after, and PPO's reward before and after.
 #   bash examples/tiny/run.sh [overrides for every training stage, e.g.
 #                              launcher.nproc_per_node=2 model.tensor_model_parallel_size=2]
 set -euo pipefail
@@ -35,9 +35,13 @@ aligner train rm run_dir=$T/rm model.pretrained=$SFT data.train_path=$T/pref_tra
   data.val_path=$T/pref_val.jsonl trainer.max_steps=1600 trainer.val_interval=400 trainer.global_batch_size=32 \
   trainer.micro_batch_size=32 optim.lr=3e-4 optim.min_lr=3e-5 rm.center_coef=0.1 "${common[@]}"
 
+# DPO on the same pairs, with an SFT term on the chosen answer (dpo.sft_weight, as NeMo-Aligner's and RPO's): plain
+# DPO pushes the near misses down by lowering the right answers' likelihood too, and its greedy accuracy falls
 aligner train dpo run_dir=$T/dpo model.pretrained=$SFT data.train_path=$T/pref_train.jsonl \
-  data.val_path=$T/pref_val.jsonl trainer.max_steps=100 trainer.val_interval=100 optim.lr=5e-4 optim.min_lr=5e-5 "${common[@]}"
+  data.val_path=$T/pref_val.jsonl trainer.max_steps=100 trainer.val_interval=100 optim.lr=5e-4 optim.min_lr=5e-5 \
+  dpo.sft_weight=1.0 "${common[@]}"
 
+# the DPO policy's greedy answers to the 256 held-out prompts of rl_val.jsonl (GRPO's validation set)
 aligner generate --model $T/dpo/checkpoints/step_000100 --prompts $T/prompts.jsonl --out $T/generations.jsonl \
   sampling.greedy=true sampling.max_new_tokens=12
 
@@ -68,6 +72,16 @@ vals = [(r["step"], r["val/reward/mean"]) for r in map(json.loads, open(f"{sys.a
         if "val/reward/mean" in r]
 print(f"before the first step: {vals[0][1]:.3f}; after step {vals[-1][0]}: {vals[-1][1]:.3f}")
 PY
+echo "--- DPO: greedy exact-answer accuracy on $T/rl_val.jsonl (the SFT policy: GRPO's step 0) ---"
+python - "$T" <<'PY'
+import json, sys
+from aligner.rewards.math import arithmetic_verdict
+prompts = [json.loads(line) for line in open(f"{sys.argv[1]}/prompts.jsonl")]
+right = [arithmetic_verdict(g["response"], str(p["answer"])) or 0.0 for p, g in
+         zip(prompts, map(json.loads, open(f"{sys.argv[1]}/generations.jsonl")))]
+sft = next(r["val/reward/mean"] for r in map(json.loads, open(f"{sys.argv[1]}/grpo/metrics.jsonl")) if r["step"] == 0)
+print(f"SFT policy: {sft:.3f}; DPO policy after step 100: {sum(right) / len(right):.3f}")
+PY
 echo "--- PPO: reward-model score and greedy exact-answer accuracy on $T/rl_val.jsonl (val/reward/mean, val/arithmetic_answer/mean) ---"
 python - "$T" <<'PY'
 import json, sys
@@ -80,10 +94,10 @@ for when, r in (("before the first step", vals[0]), (f"after step {vals[-1]['ste
 print(f"training reward/mean, steps 1-10 (critic warm-up: the SFT policy): {mean(steps[:10]):.3f}, last 10: "
       f"{mean(steps[-10:]):.3f}; largest kl/mean: {max(r['kl/mean'] for r in steps):.3f}")
 PY
-echo "--- DPO policy, greedy (prompt -> response | right answer) ---"
+echo "--- DPO policy, greedy, the first 8 held-out prompts (prompt -> response | right answer) ---"
 python - "$T" <<'PY'
 import json, sys
-prompts = [json.loads(line) for line in open(f"{sys.argv[1]}/prompts.jsonl")]
+prompts = [json.loads(line) for line in open(f"{sys.argv[1]}/prompts.jsonl")][:8]
 for p, g in zip(prompts, map(json.loads, open(f"{sys.argv[1]}/generations.jsonl"))):
     print(f"{p['prompt']!r} -> {g['response']!r} | {p['answer']}")
 PY
