@@ -9,18 +9,15 @@ outside the loss. Training and generation call the same `condition_ids` / `inser
 working on ids (not text) means no tokenizer merge across the boundary can make them differ.
 
 Attribute values come from the data (`"attributes": {name: int}` on each SFT record) or from a
-regression reward model (`write_attribute_labels`): the model's score for each attribute, rounded to the
-nearest integer and clipped to [0, scale], as SteerLM's labelling step does.
+regression reward model (`aligner.data.steerlm_labels`). This module imports no other data format, so
+SFT's loader (`aligner.data.sft`) can place the condition without importing the reward model's data.
 """
 from __future__ import annotations
 
 import json
-import math
-import os
-from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
-from aligner.data.jsonl import DataError, json_type, read_jsonl
+from aligner.data.jsonl import DataError, json_type
 
 
 def condition_text(values: dict[str, int], names: Sequence[str]) -> str:
@@ -70,30 +67,3 @@ def parse_condition(text: str, names: Sequence[str], scale: int) -> dict[str, in
                          + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else "")
                          + (f"; missing: {', '.join(missing)}" if missing else ""))
     return parse_attributes({"attributes": values}, names, scale)
-
-
-def write_attribute_labels(score: Callable[[list[list[int]]], Sequence[Sequence[float]]], names: Sequence[str], tokenizer,
-                     data_path, out_path, scale: int = 4, fmt: str = "auto") -> Path:
-    """Score every record of an SFT JSONL with a regression reward model and write it back, in order,
-    with `attributes` {name: round(clip(score, 0, scale))}. `score(token sequences)` gives one row of
-    attribute values (`names`, in order) per sequence; the reward model sees each record as it saw
-    its training data (`preference_rm.reward_input_ids`, with its `tokenizer`)."""
-    from aligner.data.preference_rm import reward_input_ids  # here: preference_rm -> sft -> steerlm is a cycle
-
-    records, sequences = [], []
-    for line_no, obj in read_jsonl(data_path):
-        try:
-            sequences.append(reward_input_ids(obj, tokenizer, fmt))
-        except DataError as e:
-            raise DataError(f"{data_path}:{line_no}: {e.what}", fix=e.fix) from None
-        records.append(obj)
-    scores = score(sequences)
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    with open(partial, "w") as f:
-        for obj, row in zip(records, scores):
-            labels = {name: min(scale, max(0, math.floor(value + 0.5))) for name, value in zip(names, row)}
-            f.write(json.dumps({**obj, "attributes": labels}) + "\n")
-    os.replace(partial, out)
-    return out

@@ -27,11 +27,12 @@ import argparse
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-from aligner.errors import UsageError, UserError
+from aligner.errors import UsageError
+from aligner.observe import report_html
 from aligner.observe.progress import Progress
+from aligner.observe.report_run import ReportError, Run
 
 ROLLOUT_STEPS = 3  # the latest rollouts/step_<N>.jsonl files shown per run
 MAX_POINTS = 5000  # longer series are thinned (every k-th step) to keep the page light
@@ -56,15 +57,6 @@ VALIDATION = "Validation"  # the `val/*` metrics no family takes (e.g. val/<rewa
 # reward pool's own time (it overlaps the log-prob passes; `score_wait` is the loop's wait), and
 # `*_server` phases are measured by a server while the trainer does something else.
 UNSTACKED = re.compile(r"step|score|.+_server")
-# the config groups that tell which command wrote a run, checked in this order (PPO also has `algorithm`)
-ALGORITHM_GROUPS = ["critic", "spin", "steerlm", "rm", "dpo", "orpo", "simpo", "kto"]
-
-
-class ReportError(UserError):
-    """A run directory the report cannot read, or a file it cannot write (exit code 1)."""
-
-    def __init__(self, what: str, where: Path | str, fix: str):
-        super().__init__(what, str(where), fix)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -73,42 +65,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(message, self.prog, f"see `{self.prog} --help`")
-
-
-@dataclass
-class Run:
-    path: Path
-    label: str  # its name in legends: the shortest tail of its path that no other run shares
-    rows: list[dict]  # metrics.jsonl, one dict per logged step
-    config: dict  # config.yaml as nested dicts ({} when the run has none)
-    config_text: str
-    rollouts: list[tuple[int, list[dict]]]  # (step, rows) of the latest rollout files, oldest first
-
-    def metric_names(self) -> list[str]:
-        names = {}
-        for row in self.rows:
-            names.update(dict.fromkeys(k for k in row if k != "step"))
-        return list(names)
-
-    def series(self, name: str) -> tuple[list[float], list[float]]:
-        """(steps, values) of one metric, non-finite values left out."""
-        points = [(row["step"], row[name]) for row in self.rows
-                  if isinstance(row.get(name), (int, float)) and math.isfinite(row[name])]
-        return [p[0] for p in points], [p[1] for p in points]
-
-    def last_step(self) -> int:
-        return max((row["step"] for row in self.rows), default=0)
-
-    def algorithm(self) -> str:
-        for group in ALGORITHM_GROUPS:
-            if group in self.config:
-                return "ppo" if group == "critic" else group
-        advantage = self.config.get("algorithm", {}).get("advantage") if self.config else None
-        return str(advantage) if advantage else ("sft" if self.config else "unknown (no config.yaml)")
-
-    def latest_checkpoint(self) -> str:
-        found = sorted((self.path / "checkpoints").glob("step_*"))
-        return found[-1].name if found else "none"
 
 
 # ---- reading run directories --------------------------------------------------------------------------
@@ -297,8 +253,6 @@ def config_diff(runs: list[Run]) -> list[tuple[str, list[str | None]]]:
 # ---- the report and the command -------------------------------------------------------------------------
 def write_report(run_dirs: list[str | Path], out: str | Path, progress: bool = False) -> Path:
     """Write the HTML report of `run_dirs` to `out` (replaced whole, so an open copy never sees half a file)."""
-    from aligner.observe import report_html
-
     runs = load_runs(run_dirs, progress)
     page = report_html.render(runs, charts(runs), config_diff(runs))
     out = Path(out)

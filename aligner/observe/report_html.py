@@ -14,7 +14,7 @@ import math
 import time
 from pathlib import Path
 
-from aligner.observe.report import ReportError, Run
+from aligner.observe.report_run import ReportError, Run
 
 # plotly.js's default colours (D3's category10): a run's colour in every chart; the dash tells its metrics
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",

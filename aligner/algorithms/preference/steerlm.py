@@ -10,7 +10,8 @@ import torch
 
 from aligner.algorithms.shared import sft
 from aligner.config import load_resolved
-from aligner.data.steerlm import condition_ids, parse_attributes, write_attribute_labels
+from aligner.data.steerlm import condition_ids, parse_attributes
+from aligner.data.steerlm_labels import write_attribute_labels
 from aligner.data.tokenizer import load_tokenizer
 from aligner.models.checkpoint import read_metadata
 from aligner.models.heads import last_token_scores
