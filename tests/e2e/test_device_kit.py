@@ -1,7 +1,8 @@
 """The device acceptance kit (bench/accept.py, scripts/device/): its dry run on this CPU, so that the kit
 cannot rot between loans of a GPU; `--only` reruns into an existing accept.json; a check past its time is
-ended and recorded as a timeout; the model-FLOPs formula by hand; the manifest and size check of the
-files the kit carries (scripts/device/manifest.py, on a temporary folder: no download)."""
+ended and recorded as a timeout; the manifest and size check of the files the kit carries
+(scripts/device/manifest.py, on a temporary folder: no download). The model-FLOPs formula by hand:
+tests/unit/test_accept_flops.py."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +13,7 @@ import sys
 import psutil
 import pytest
 
-from bench.accept_checks import CHECKS, train_flops_per_token
+from bench.accept_checks import CHECKS
 from tests.conftest import REPO
 
 # What each check may end as on a CPU host
@@ -105,16 +106,6 @@ def test_a_check_past_its_time_is_ended_and_recorded_as_a_timeout(tmp_path):
 def test_unknown_check_is_refused():
     result = accept("--only", "nope")
     assert result.returncode == 2 and "unknown check nope" in result.stderr
-
-
-def test_train_flops_per_token_by_hand():
-    """1 layer, hidden 4, 2 heads of dim 2 in 1 KV group, FFN 8, vocab 10, rows of 3 tokens. Weights a token
-    multiplies: q 4x4 + k 4x2 + v 4x2 + o 4x4 + FFN 3x4x8 + head 4x10 = 184, 2 FLOPs each; attention at the mean
-    context (3 + 1) / 2 = 2 keys: QK^T 2 heads x 2 dims x 2 keys and AV the same, 2 FLOPs per multiply-add = 32;
-    training = 3 x (368 + 32)."""
-    arch = {"num_layers": 1, "hidden_size": 4, "num_attention_heads": 2, "num_query_groups": 1, "ffn_hidden_size": 8,
-            "vocab_size": 10}
-    assert train_flops_per_token(arch, 3) == 1200
 
 
 def test_manifest_lists_every_file_and_checks_each_call(tmp_path):
