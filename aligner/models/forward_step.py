@@ -15,8 +15,11 @@ Two kinds of micro-batch reach the model:
 * sequence batches (`aligner.data.packing.build_micro_batches`: padded or packed rows, with
   `sequence_index`): the model is a `aligner.models.policy` model reading explicit positions;
   packed rows carry their block-causal attention mask; the final layer runs only at the positions
-  the loss reads (`read_positions.read_only`). `sequence_reduction` turns position values into
-  per-sequence sums.
+  the loss reads (`read_positions.read_only`), and so does the output layer (`read_positions.output_at`:
+  the vocabulary's logits exist only at those positions, a response's and not its prompt's):
+  `position_values` sees the output [1, n, ...] and the per-position inputs at those n positions, and
+  its values are put back in the [rows, s] layout, zeros elsewhere, before the reduction.
+  `sequence_reduction` turns position values into per-sequence sums.
 * row batches (one sequence per row from position 0: SFT's padded batches, padded reward-model
   pairs, the servers' scoring and the critic's training): the keys in `ROW_POSITION_KEYS` are
   per-position tensors [b, s] and are sliced for context parallelism; every other key is per row.
@@ -41,7 +44,7 @@ from aligner.models.checkpoint import unwrap
 from aligner.models.cp_attention import positions_on_rank
 from aligner.models.heads import last_token_scores
 from aligner.models.logprobs import vocab_parallel_logprobs
-from aligner.models.read_positions import masked_rows, read_only
+from aligner.models.read_positions import at_rows, from_rows, masked_rows, output_at, read_only
 from aligner.models.sdpa_attention import BlockDiagonalMask, all_fused
 from aligner.runtime import cpu_shims
 from aligner.runtime.distributed import sum_over_group
@@ -65,16 +68,18 @@ def head_values(output: torch.Tensor, local: dict) -> torch.Tensor:
     return output.float()
 
 
-def make_forward_step(position_values: PositionValues, reduction: Reduction):
-    """The megatron forward step of any pass: `reduction(position_values(output, local), local, batch)`."""
+def make_forward_step(position_values: PositionValues, reduction: Reduction, output_at_read_positions: bool = True):
+    """The megatron forward step of any pass: `reduction(position_values(output, local), local, batch)`.
+    `output_at_read_positions`: on sequence batches, compute the output layer only where the loss reads
+    (the module doc); False computes it everywhere (the same values: tests and benchmarks compare the two)."""
     device = _device()
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output, local = run_model(batch, model, device)
+        output, local = run_model(batch, model, device, output_at_read_positions)
 
         def loss_func(output):
-            loss, count, report = reduction(position_values(output, local), local, batch)
+            loss, count, report = reduction(values_at_positions(position_values, output, local), local, batch)
             report = {k: v.detach().float() for k, v in report.items()}
             report["count"] = count.detach().float()
             return loss, count.int(), report
@@ -93,6 +98,17 @@ def run_micro_batches(model, forward_step, micro_batches: list[dict], seq_length
         forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
         num_microbatches=len(micro_batches), seq_length=seq_length,
         micro_batch_size=micro_batches[0]["tokens"].shape[0], forward_only=forward_only)
+
+
+def values_at_positions(position_values: PositionValues, output: torch.Tensor, local: dict) -> torch.Tensor:
+    """`position_values(output, local)` [rows, s_local, ...]; for an output computed at the read rows only
+    (`local["output_rows"]`), from the per-position inputs at those rows, put back in place (zeros elsewhere)."""
+    rows = local.get("output_rows")
+    if rows is None:
+        return position_values(output, local)
+    b, s = local["tokens"].shape
+    read = {k: at_rows(v, rows) if k in SEQUENCE_KEYS else v for k, v in local.items()}
+    return from_rows(position_values(output, read), rows, b, s)
 
 
 # ---- reductions ------------------------------------------------------------------------------------------
@@ -177,12 +193,14 @@ def scores_at_row_ends(values: torch.Tensor, lengths: torch.Tensor, positions: t
 
 
 # ---- model inputs ----------------------------------------------------------------------------------------
-def run_model(batch: dict, model, device) -> tuple[torch.Tensor, dict]:
-    """Run the model on this CP rank's positions of a micro-batch; returns (output, local tensors)."""
+def run_model(batch: dict, model, device, output_at_read_positions: bool = False) -> tuple[torch.Tensor, dict]:
+    """Run the model on this CP rank's positions of a micro-batch; returns (output, local tensors).
+    `output_at_read_positions`: a sequence batch's output only at the rows the loss reads, which are then
+    `local["output_rows"]` (the module doc)."""
     if device is not None:
         batch.update({k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)})
     if "sequence_index" in batch:
-        return _run_on_sequences(batch, model)
+        return _run_on_sequences(batch, model, output_at_read_positions)
     return _run_on_rows(batch, model)
 
 
@@ -206,7 +224,7 @@ def _no_literals(model, cp: int):
     return cpu_shims.without_literal_rewrites() if cp == 1 and all_fused(unwrap(model)) else contextlib.nullcontext()
 
 
-def _run_on_sequences(batch: dict, model) -> tuple[torch.Tensor, dict]:
+def _run_on_sequences(batch: dict, model, output_at_read_positions: bool) -> tuple[torch.Tensor, dict]:
     cp = ps.get_context_parallel_world_size()
     with _no_literals(model, cp):
         positions = None
@@ -224,8 +242,13 @@ def _run_on_sequences(batch: dict, model) -> tuple[torch.Tensor, dict]:
         # them for CP
         position_ids = batch["position_ids"].unsqueeze(0).expand(3, -1, -1)
         # the losses read the output only where the loss mask is set (`sequence_sums`)
-        with read_only(model, masked_rows(local["loss_mask"])):
-            return model(local["tokens"], position_ids, batch.get("attention_mask")), local
+        rows = masked_rows(local["loss_mask"])
+        outputs_read = output_at(model, rows) if output_at_read_positions else contextlib.nullcontext(False)
+        with read_only(model, rows), outputs_read as compact:
+            output = model(local["tokens"], position_ids, batch.get("attention_mask"))
+        if compact:
+            local["output_rows"] = rows
+        return output, local
 
 
 def _counted_once(loss, count, report) -> tuple:

@@ -15,6 +15,15 @@ Left alone (computed everywhere): sequence parallelism (the layer's input is spl
 sequence), recomputed layers or MLPs (their forward runs again in the backward pass), mixture-of-
 experts layers, pipeline stages without the final layer; and the attention of padded rows (b > 1)
 or of other attention modules (context parallelism, Transformer Engine).
+
+`output_at(model, rows)` goes further for the output layer (the vocabulary's logits, or a scalar
+head): it runs on the read rows only and the model returns [1, n, width], the rows in `rows`' order,
+so nothing is computed, kept or differentiated at the other positions. With a prompt of P tokens and
+a response of R that is R / (P + R) of the logits' memory and matrix products (their softmax too).
+Its callers read per-position tensors at the same rows (`at_rows`) and put the values back in the
+[b, s] layout, zeros elsewhere (`from_rows`); with no read row (a context-parallel rank holding only
+prompt positions) it computes nothing. Left alone: sequence parallelism (there the output layer
+gathers the sequence itself) and stages without the output layer.
 """
 from __future__ import annotations
 
@@ -90,3 +99,37 @@ def read_only(model, rows: torch.Tensor):
 def masked_rows(loss_mask: torch.Tensor) -> torch.Tensor:
     """The read rows of a [b, s] loss mask, as `read_only` indexes them (position-major)."""
     return loss_mask.t().reshape(-1).nonzero().squeeze(1)
+
+
+@contextlib.contextmanager
+def output_at(model, rows: torch.Tensor):
+    """Within the block, forwards of `model` (a GPTModel, possibly wrapped) compute the output layer at
+    `rows` only (as `read_only` indexes them) and return [1, len(rows), width]. Yields whether they do
+    (see the module doc for when they do not)."""
+    gpt = unwrap(model)
+    if not gpt.post_process or gpt.config.sequence_parallel:
+        yield False
+        return
+
+    def select_rows(module, args, kwargs):
+        hidden = args[0]  # megatron passes the output layer's input positionally: [s, b, hidden]
+        return (hidden.reshape(-1, hidden.shape[-1])[rows].unsqueeze(1), *args[1:]), kwargs
+
+    handle = gpt.output_layer.register_forward_pre_hook(select_rows, with_kwargs=True)
+    try:
+        yield True
+    finally:
+        handle.remove()
+
+
+def at_rows(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A per-position tensor [b, s, *extra] at the read `rows` (position-major) -> [1, n, *extra]."""
+    return values.transpose(0, 1).reshape(-1, *values.shape[2:])[rows].unsqueeze(0)
+
+
+def from_rows(values: torch.Tensor, rows: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """`at_rows`' inverse for values [1, n, *extra] -> [b, s, *extra], zeros at the other positions;
+    differentiable."""
+    extra = values.shape[2:]
+    flat = values.new_zeros(s * b, *extra).index_copy(0, rows, values[0])
+    return flat.view(s, b, *extra).transpose(0, 1)
