@@ -2,6 +2,7 @@
 refused with its fix, the tiny example; `aligner train`'s pre-launch memory check. The formulas by hand and the
 time model against published figures: tests/unit/test_plan_maths.py."""
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,25 +11,40 @@ from tests.conftest import run_cli
 
 
 # ---- the command, from outside ----------------------------------------------------------------------------
-def _plan_json(*args):
-    result = run_cli("plan", *args, "--json", timeout=120)
+def plan_in_process(capsys, *args) -> SimpleNamespace:
+    """`aligner plan ARGS` as aligner.cli.main runs it (dispatch, a raised error reported as one line with its
+    exit code), in this process: the planner imports no torch, so a subprocess would add only its start-up.
+    The command in a process of its own: test_tiny_example_plans_on_cpu_and_on_an_h100's table."""
+    from aligner import errors
+    from aligner.cli import dispatch
+
+    try:
+        code = dispatch(["plan", *args])
+    except Exception as e:  # noqa: BLE001 - what main() does
+        code = errors.handle(e)
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
+def _plan_json(capsys, *args):
+    result = plan_in_process(capsys, *args, "--json")
     return result, (json.loads(result.stdout) if result.stdout.strip() else None)
 
 
-def test_tiny_example_plans_on_cpu_and_on_an_h100():
-    result, out = _plan_json("sft", "model.vocab_size=512", "cluster.gpu=cpu", "cluster.memory_gib=4")
+def test_tiny_example_plans_on_cpu_and_on_an_h100(capsys):
+    result, out = _plan_json(capsys, "sft", "model.vocab_size=512", "cluster.gpu=cpu", "cluster.memory_gib=4")
     assert result.returncode == 0, result.stderr
     assert out["fits"] is True and out["errors"] == [] and isinstance(out["step_time_s"], float)
     actor = out["components"]["actor"]
     assert actor["gpus"] == 1 and 0 < actor["memory_gib_per_gpu"] < 1  # launcher.nproc_per_node ranks
-    result, out = _plan_json("grpo", "model.vocab_size=512", "cluster.gpus_per_node=1")
+    result, out = _plan_json(capsys, "grpo", "model.vocab_size=512", "cluster.gpus_per_node=1")
     assert result.returncode == 0 and set(out["components"]) == {"actor", "reference", "generation"}
     table = run_cli("plan", "dpo", "model.vocab_size=512", "cluster.gpus_per_node=1")
     assert table.returncode == 0 and "reference" in table.stdout and "step time" in table.stdout
 
 
-def test_ppo_json_names_every_component():
-    result, out = _plan_json("ppo", "model=llama3_70b", "model.tensor_model_parallel_size=8",
+def test_ppo_json_names_every_component(capsys):
+    result, out = _plan_json(capsys, "ppo", "model=llama3_70b", "model.tensor_model_parallel_size=8",
                              "model.pipeline_model_parallel_size=4", "critic.parallel.tensor_model_parallel_size=8",
                              "critic.parallel.pipeline_model_parallel_size=4", "cluster.nodes=8",
                              "cluster.service_nodes=4", "optim.distributed_optimizer=true",
@@ -41,8 +57,8 @@ def test_ppo_json_names_every_component():
     assert out["step_time_s"] > 0
 
 
-def test_memory_over_the_gpu_is_refused_with_the_fix():
-    result, out = _plan_json("sft", "model=llama3_70b", "model.tensor_model_parallel_size=8",
+def test_memory_over_the_gpu_is_refused_with_the_fix(capsys):
+    result, out = _plan_json(capsys, "sft", "model=llama3_70b", "model.tensor_model_parallel_size=8",
                              "model.pipeline_model_parallel_size=1")
     assert result.returncode == 1 and out["fits"] is False
     # one data-parallel rank: sharding the optimizer gains nothing, more pipeline stages or nodes do
@@ -56,16 +72,16 @@ def test_memory_over_the_gpu_is_refused_with_the_fix():
     (["cluster.gpus_per_node=6", "model.tensor_model_parallel_size=4"], "GPUs are a multiple of 4"),
     (["trainer.global_batch_size=12", "trainer.micro_batch_size=4"], "set trainer.global_batch_size=16"),
 ], ids=["tp_heads", "pp_layers", "gpus_tp_pp_cp", "batch"])
-def test_impossible_layouts_are_refused_with_their_fix(overrides, fix):
-    result, out = _plan_json("sft", "model=llama3_8b", *overrides)
+def test_impossible_layouts_are_refused_with_their_fix(overrides, fix, capsys):
+    result, out = _plan_json(capsys, "sft", "model=llama3_8b", *overrides)
     assert result.returncode == 1 and out["fits"] is False
     assert any(fix in e for e in out["errors"]), out["errors"]
 
 
 @pytest.mark.parametrize("args", [["sft", "cluster.gpu=tpu"], ["sft", "cluster.bogus=1"], ["sft", "model.bogus=1"],
                                   ["nope"], ["sft", "cluster.gpu=cpu"], ["sft", "--yaml"]])
-def test_usage_errors_exit_2(args):
-    result = run_cli("plan", *args, "--json", timeout=120)
+def test_usage_errors_exit_2(args, capsys):
+    result = plan_in_process(capsys, *args, "--json")
     assert result.returncode == 2 and result.stderr.startswith("error:"), result.stderr
 
 
