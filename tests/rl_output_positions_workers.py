@@ -1,10 +1,10 @@
 """Rank entry point of tests/integration/test_rl_output_positions.py: the RL passes with the output layer
 computed only at the response positions (`read_positions.output_at`) against the same passes with the
-full logits, in one 2-rank launch that re-initialises megatron's parallel state per layout (TP=2, PP=2,
-CP=2 and, DP=2 in effect, TP=PP=1). Per layout and packing it records the largest differences of the
-per-response-token log-probs (the old-log-prob / reference pass), of the policy loss's reports and of
-every gradient, and how many positions the output layer saw each way; rank 0 writes them to
-<workdir>/results.json."""
+full logits, in one 2-rank launch that re-initialises megatron's parallel state per layout (TP=2 with and
+without sequence parallelism, PP=2, whose last stage holds the whole vocabulary, and CP=2). Per layout
+and packing it records the largest differences of the per-response-token log-probs (the old-log-prob /
+reference pass), of the policy loss's reports and of every gradient, and how many positions the output
+layer saw each way; rank 0 writes them to <workdir>/results.json."""
 from __future__ import annotations
 
 import json
@@ -21,16 +21,18 @@ VOCAB = 300
 PACKINGS = {"padded": {"packed": False, "capacity": None, "flat": False},
             "packed_rows": {"packed": True, "capacity": 24, "flat": False},
             "packed_flat": {"packed": True, "capacity": None, "flat": True}}
-LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)}
+# name: (TP, PP, CP, sequence parallelism)
+LAYOUTS = {"tp2": (2, 1, 1, False), "tp2_sp": (2, 1, 1, True), "pp2": (1, 2, 1, False),
+           "cp2": (1, 1, 2, False)}
 
 
-def model_config(tp: int, pp: int, cp: int):
+def model_config(tp: int, pp: int, cp: int, sp: bool):
     from aligner.config.schema import ModelConfig
 
     cfg = OmegaConf.structured(ModelConfig)
     cfg.update(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                seq_length=64, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-               context_parallel_size=cp)
+               context_parallel_size=cp, sequence_parallel=sp)
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
@@ -107,6 +109,7 @@ def rl_checks(model, micro: list[dict], length: int, out: dict, tag: str) -> Non
     out[f"{tag}_grads"] = max((grads[True][n] - grad).abs().max().item() / max(1.0, grad.abs().max().item())
                               for n, grad in grads[False].items())
     out[f"{tag}_grads_complete"] = grads[True].keys() == grads[False].keys() and len(grads[False]) > 0
+    out[f"{tag}_grads_norm"] = sum(grad.norm().item() for grad in grads[True].values())
 
 
 def sequence_sum_checks(model, micro: list[dict], length: int, out: dict, tag: str) -> None:
@@ -130,10 +133,10 @@ def phase(name: str, out: dict) -> None:
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
 
-    tp, pp, cp = LAYOUTS[name]
+    tp, pp, cp, sp = LAYOUTS[name]
     distributed.init_model_parallel(tp, pp, cp)
     seed_everything(1)
-    model = build_policy(model_config(tp, pp, cp), VOCAB)
+    model = build_policy(model_config(tp, pp, cp, sp), VOCAB)
     for packing, options in PACKINGS.items():
         if cp > 1 and options["flat"]:
             continue  # flat rows are built without CP only

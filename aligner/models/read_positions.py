@@ -22,14 +22,17 @@ so nothing is computed, kept or differentiated at the other positions. With a pr
 a response of R that is R / (P + R) of the logits' memory and matrix products (their softmax too).
 Its callers read per-position tensors at the same rows (`at_rows`) and put the values back in the
 [b, s] layout, zeros elsewhere (`from_rows`); with no read row (a context-parallel rank holding only
-prompt positions) it computes nothing. Left alone: sequence parallelism (there the output layer
-gathers the sequence itself) and stages without the output layer.
+prompt positions) it computes nothing. Under sequence parallelism the layer's input arrives split
+along the sequence: it is gathered first (what the layer would do itself), its backward taking this
+rank's slice of the input gradient, which the layer, told the sequence is whole, has summed over TP.
+`output_at` does nothing on pipeline stages without the output layer.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.mlp import MLP
 
 from aligner.models.checkpoint import unwrap
@@ -107,19 +110,27 @@ def output_at(model, rows: torch.Tensor):
     `rows` only (as `read_only` indexes them) and return [1, len(rows), width]. Yields whether they do
     (see the module doc for when they do not)."""
     gpt = unwrap(model)
-    if not gpt.post_process or gpt.config.sequence_parallel:
+    if not gpt.post_process:
         yield False
         return
+    layer = gpt.output_layer  # megatron's ColumnParallelLinear or a `heads.ScalarHead`
+    split = layer.sequence_parallel
 
     def select_rows(module, args, kwargs):
         hidden = args[0]  # megatron passes the output layer's input positionally: [s, b, hidden]
+        if split:  # [s / TP, b, hidden] -> [s, b, hidden]; backward: this rank's slice
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            module.sequence_parallel = False
         return (hidden.reshape(-1, hidden.shape[-1])[rows].unsqueeze(1), *args[1:]), kwargs
 
-    handle = gpt.output_layer.register_forward_pre_hook(select_rows, with_kwargs=True)
+    handles = [layer.register_forward_pre_hook(select_rows, with_kwargs=True),
+               layer.register_forward_hook(lambda module, args, output: setattr(module, "sequence_parallel", split))]
     try:
         yield True
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+        layer.sequence_parallel = split
 
 
 def at_rows(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

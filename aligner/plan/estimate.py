@@ -85,7 +85,7 @@ def plan_run(cfg, algorithm: str, cluster: Cluster, lengths: Lengths, vocab_size
     layout = f"TP{tp} PP{pp} CP{cp} DP{dp}"
     params = M.parameters_per_gpu(shape, tp, pp)
     acts = M.activation_bytes(shape, seq, t.micro_batch_size * per_sample, micro, tp, pp, cp, sp, dtype, impl,
-                              recompute)
+                              recompute, logit_tokens=cfg.sampling.max_new_tokens if rl else None)
     components = {"actor": _component(cluster.gpus, layout, **_model_state(shape, params, dtype, dp,
                                                                          cfg.optim.distributed_optimizer, True),
                                       activations_gib=acts / GIB)}

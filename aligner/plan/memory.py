@@ -32,7 +32,9 @@ Conventions (what aligner builds: aligner/models/gpt.py, aligner/models/training
   exist too. On the last stage the larger of
   - the loss's backward: the final norm's two s*b*h tensors and three s*b*V/t tensors (`logits_bytes`:
     the saved log-softmax (or the vocab-parallel softmax), the log-probs' gradient scattered into the
-    vocabulary, the log-softmax backward's output; in the parameter dtype for the logits, fp32 for the rest);
+    vocabulary, the log-softmax backward's output; in the parameter dtype for the logits, fp32 for the rest),
+    at the positions whose output the loss reads only (aligner.models.read_positions.output_at): an RL
+    sequence's response (`logit_tokens`: sampling.max_new_tokens), not its prompt;
   - the last layer's MLP backward (`layer_backward_elements`): the residual stream's gradient and the
     norm's (2 s*b*h, whole on every TP rank without SP) plus the down projection's input gradient (F),
     the SwiGLU input's gradient (2F) and the backward's gate temporary (F), less the product (F) the down
@@ -159,11 +161,14 @@ def logits_bytes(s: Shape, tokens: int, batch: int, tp: int, dtype: str) -> floa
 
 
 def activation_bytes(s: Shape, tokens: int, micro_batch: int, micro_batches: int, tp: int, pp: int, cp: int,
-                     sp: bool, dtype: str, impl: str, recompute: str = "none") -> float:
+                     sp: bool, dtype: str, impl: str, recompute: str = "none",
+                     logit_tokens: int | None = None) -> float:
     """The step's peak of activation memory on the busiest pipeline stage under 1F1B: what the
     micro-batches in flight saved plus the first backward's gradients (the module doc).
-    tokens: sequence length (split over CP); micro_batches: per optimizer step on this DP rank."""
+    tokens: sequence length (split over CP); micro_batches: per optimizer step on this DP rank;
+    logit_tokens: the positions of a sequence whose logits the loss reads (None: all)."""
     per_rank = tokens // cp
+    logit_rows = per_rank if logit_tokens is None else min(logit_tokens, per_rank)
     element = DTYPE_BYTES[dtype]
     per_layer = layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, recompute)
     stage_layers = s.layers // pp
@@ -171,7 +176,7 @@ def activation_bytes(s: Shape, tokens: int, micro_batch: int, micro_batches: int
     backward = layer_backward_elements(s, per_rank, micro_batch, tp, sp) * element
     if recompute == "full":  # one layer's full working set while it is recomputed
         backward += layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, "none") * element
-    loss = 2 * sbh * element + logits_bytes(s, per_rank, micro_batch, tp, dtype)
+    loss = 2 * sbh * element + logits_bytes(s, logit_rows, micro_batch, tp, dtype)
     buffer = s.heads / tp * per_rank ** 2 * micro_batch * element if impl == "local" else 0.0
 
     def stage(in_flight: int, first: bool, last: bool) -> float:

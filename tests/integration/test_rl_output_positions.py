@@ -1,9 +1,9 @@
 """The RL passes compute the output layer only at the response positions (`aligner.models.read_positions.
 output_at`, through `forward_step.make_forward_step`): their per-token log-probs, the policy loss and every
-gradient equal those of the full-logits pass within 1e-6, under TP=2 (vocab-parallel output layer), PP=2
-(last stage), and without model parallelism, for padded, packed and flat packed batches; under CP=2 the
-sequence log-prob sums do. The output layer sees only the response positions. One 2-rank launch of
-tests/rl_output_positions_workers.py; one process for no read row and sequence parallelism."""
+gradient equal those of the full-logits pass within 1e-6, under TP=2 (vocab-parallel output layer; with
+and without sequence parallelism) and PP=2 (the last stage, with the whole vocabulary), for padded,
+packed and flat packed batches; under CP=2 the sequence log-prob sums do. The output layer sees only the
+response positions. One 2-rank launch of tests/rl_output_positions_workers.py; one process for no read row."""
 import json
 
 import pytest
@@ -23,7 +23,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", ["single", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
 @pytest.mark.parametrize("packing", ["padded", "packed_rows", "packed_flat"])
 def test_rl_passes_at_response_positions_equal_the_full_logits(results, layout, packing):
     ranks = results[layout]
@@ -33,9 +33,10 @@ def test_rl_passes_at_response_positions_equal_the_full_logits(results, layout, 
         assert r[f"{tag}_logprobs"] < TOLERANCE and r[f"{tag}_logprobs_top_k"] < TOLERANCE
         assert r[f"{tag}_loss"] < TOLERANCE
         assert r[f"{tag}_grads"] < TOLERANCE
-        assert r[f"{tag}_grads_complete"]
+        assert r[f"{tag}_grads_complete"] and r[f"{tag}_grads_norm"] > 0
     last = ranks[-1] if layout == "pp2" else ranks[0]  # PP: rank 1 holds the last stage
-    assert last[f"{tag}_rows"] == [last[f"{tag}_response_tokens"], last[f"{tag}_positions"]]
+    every = last[f"{tag}_positions"] // (2 if layout == "tp2_sp" else 1)  # SP: the full pass's input is split
+    assert last[f"{tag}_rows"] == [last[f"{tag}_response_tokens"], every]
     assert last[f"{tag}_response_tokens"] < last[f"{tag}_positions"] / 2  # the prompts' logits are really skipped
 
 
@@ -61,7 +62,7 @@ def test_rows_round_trip_in_position_major_order():
     assert torch.equal(back, values * mask[..., None])
 
 
-def test_no_read_rows_and_sequence_parallelism():
+def test_no_read_row_computes_nothing():
     from tests.conftest import build_single_process_gpt
 
     gpt = build_single_process_gpt(11)
@@ -72,9 +73,3 @@ def test_no_read_rows_and_sequence_parallelism():
     with output_at(gpt, torch.tensor([1, 4])) as compact:
         assert compact
         assert gpt(tokens, None, None).shape[:2] == (1, 2)
-    gpt.config.sequence_parallel = True  # the output layer gathers the sequence itself
-    try:
-        with output_at(gpt, torch.tensor([1, 4])) as compact:
-            assert not compact
-    finally:
-        gpt.config.sequence_parallel = False
