@@ -24,20 +24,12 @@ otherwise); ALIGNER_DEBUG=1 shows the traceback too, which is always written und
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
 from aligner import errors
-from aligner.errors import UsageError
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose mistakes are one `error:` line (exit code 2), like every other usage error."""
-
-    def error(self, message: str):
-        raise UsageError(message, self.prog, f"see `{self.prog} --help`")
+from aligner.errors import ArgumentParser, UsageError
 
 # algorithm -> module with `main(argv)` (a launched rank) and `run(cfg)` (in this process)
 TRAINERS = {"sft": "aligner.algorithms.shared.sft", "rm": "aligner.algorithms.preference.reward_model",

@@ -11,6 +11,7 @@ that the launcher prints the first failing rank's message once.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -44,6 +45,13 @@ class UsageError(UserError):
     """The command line or the config cannot run (exit code 2)."""
 
     exit_code = EXIT_USAGE
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one `error:` line (exit code 2), like every other usage error."""
+
+    def error(self, message: str):
+        raise UsageError(message, self.prog, f"see `{self.prog} --help`")
 
 
 class ReportedFailure(Exception):

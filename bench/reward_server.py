@@ -32,7 +32,7 @@ def make_checkpoint(root: Path) -> Path:
     from aligner.models import checkpoint
     from aligner.models.gpt import build_gpt
     from aligner.models.heads import attach_scalar_head
-    from aligner.models.hf_convert import single_process
+    from aligner.launch.ranks import single_process
     from aligner.runtime.seeding import seed_everything
 
     tokenizer = load_tokenizer(build_tiny_tokenizer(corpus(2000, seed=0), root / "tokenizer", vocab_size=512))
@@ -91,7 +91,7 @@ def main() -> None:
 
     from aligner.models.checkpoint import load_weights
     from aligner.models.heads import last_token_scores
-    from aligner.models.hf_convert import single_process
+    from aligner.launch.ranks import single_process
     from aligner.models.scoring import build_scalar_model, forward_rows
     from aligner.runtime.seeding import seed_everything
     from aligner.servers.process import ServerProcess, free_port_block

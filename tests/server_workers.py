@@ -22,7 +22,7 @@ def make_reward_checkpoint(out, tokenizer_dir, num_outputs: int = 1, seed: int =
     from aligner.models import checkpoint
     from aligner.models.gpt import build_gpt
     from aligner.models.heads import attach_scalar_head
-    from aligner.models.hf_convert import single_process
+    from aligner.launch.ranks import single_process
     from aligner.runtime.seeding import seed_everything
 
     tokenizer = load_tokenizer(tokenizer_dir)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Callable, Sequence
 
 from aligner.data.jsonl import DataError, read_jsonl
 from aligner.data.preference_rm import reward_input_ids
+from aligner.files import atomic_write
 
 
 def write_attribute_labels(score: Callable[[list[list[int]]], Sequence[Sequence[float]]], names: Sequence[str],
@@ -29,10 +29,8 @@ def write_attribute_labels(score: Callable[[list[list[int]]], Sequence[Sequence[
     scores = score(sequences)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    with open(partial, "w") as f:
+    with atomic_write(out) as f:
         for obj, row in zip(records, scores):
             labels = {name: min(scale, max(0, math.floor(value + 0.5))) for name, value in zip(names, row)}
             f.write(json.dumps({**obj, "attributes": labels}) + "\n")
-    os.replace(partial, out)
     return out

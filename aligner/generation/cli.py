@@ -14,7 +14,6 @@ launcher; TP x PP must divide launcher.nproc_per_node, the remaining factor spli
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -28,11 +27,11 @@ from aligner.config.validate import validate_generation_backend
 from aligner.data.jsonl import read_token_sequences
 from aligner.data.steerlm import condition_ids, insert_condition, parse_condition
 from aligner.data.tokenizer import load_tokenizer
+from aligner.files import atomic_write
 from aligner.generation import rng
 from aligner.generation.types import DECODE_MODES, SamplingParams
 from aligner.launch.local import launch
-from aligner.models.checkpoint import load_weights, model_config_from_checkpoint, read_metadata
-from aligner.models.gpt import build_gpt
+from aligner.models.checkpoint import load_language_model, model_config_from_checkpoint, read_metadata
 from aligner.observe.progress import Progress
 from aligner.runtime.cpu_memory import keep_freed_memory
 from aligner.runtime import collectives
@@ -60,11 +59,6 @@ OVERRIDES = {  # key -> (type, default)
 
 class UsageError(errors.UsageError, ValueError):
     pass
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message, self.prog, f"see `{self.prog} --help`")
 
 
 def _parse_value(key: str, kind, text: str):
@@ -155,10 +149,9 @@ def run_generation(job: dict) -> None:
         keep_freed_memory()
     distributed.init_model_parallel(tp, pp)
     seed_everything(values["sampling.seed"])
-    model_cfg, vocab_size = model_config_from_checkpoint(
-        model_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model = build_gpt(model_cfg, vocab_size)
-    load_weights(model_dir, model)
+    layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    model_cfg, _ = model_config_from_checkpoint(model_dir, **layout)
+    model, vocab_size = load_language_model(model_dir, **layout)
     tokenizer = load_tokenizer(model_dir / "tokenizer") if (model_dir / "tokenizer").is_dir() else None
     prompts = read_prompts(job["prompts"], tokenizer, vocab_size)
     if values["steerlm.attributes"]:
@@ -189,11 +182,9 @@ def run_generation(job: dict) -> None:
         ordered = [r for _, part in sorted(p for p in gathered if p is not None) for r in part]
         out = Path(job["out"])
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".partial")
-        with open(tmp, "w") as f:
+        with atomic_write(out) as f:
             for record in ordered:
                 f.write(json.dumps(record) + "\n")
-        os.replace(tmp, out)
     distributed.shutdown()
 
 
@@ -203,7 +194,7 @@ def rank_main(argv: list[str]) -> None:
 
 
 def generate_main(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="aligner generate", description=__doc__.splitlines()[0])
+    parser = errors.ArgumentParser(prog="aligner generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="aligner checkpoint directory")
     parser.add_argument("--prompts", required=True, help='JSONL with {"prompt": ...} or {"prompt_ids": [...]}')
     parser.add_argument("--out", required=True, help="output JSONL")

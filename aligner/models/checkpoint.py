@@ -24,6 +24,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from aligner.errors import UserError
+from aligner.files import partial_path
 from aligner.models import checkpoint_keys
 from aligner.runtime import collectives
 
@@ -82,7 +83,7 @@ def save_checkpoint(path, model, model_cfg, vocab_size: int, *, optimizer=None, 
 
     _collect_write_results_in_process()
     path = Path(path)
-    partial = path.with_name(path.name + ".partial")
+    partial = partial_path(path)
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         (partial / "rank_state").mkdir(parents=True)

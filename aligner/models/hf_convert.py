@@ -15,7 +15,6 @@ a script calling them needs the usual `if __name__ == "__main__":` guard.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -28,6 +27,8 @@ import torch
 # there and prints its apex/TE warnings); safetensors' writer and transformers only when used.
 
 from aligner.errors import UserError
+from aligner.files import atomic_directory
+from aligner.launch.ranks import rank_main, run_ranks
 from aligner.models import hf_weights as hw
 from aligner.observe.progress import Progress
 
@@ -109,59 +110,11 @@ def _model_config(fields: dict, tp: int, pp: int):
                            {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp})
 
 
-@contextlib.contextmanager
-def single_process():
-    """A one-rank process group with TP=PP=1 for in-process work; torn down afterwards if we made it."""
-    import torch.distributed as dist
-
-    from aligner.runtime.distributed import init_model_parallel, init_process_group, shutdown
-
-    created = not dist.is_initialized()
-    init_process_group()
-    if dist.get_world_size() != 1:
-        raise RuntimeError("single_process() inside a multi-rank job; call the *_rank functions there instead")
-    init_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        if created:
-            shutdown()
-
-
-def run_ranks(entry: str, args: list[str], nproc: int) -> None:
-    """`entry` on `nproc` ranks: in this process for one rank, else through the local launcher."""
-    if nproc == 1:
-        import importlib
-
-        module, function = entry.split(":")
-        with single_process():
-            getattr(importlib.import_module(module), function)(args, initialised=True)
-        return
-    from aligner.launch.local import launch
-
-    launch(entry, args, nproc)
-
-
 def _fresh_output_dir(out_dir) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists and is not empty; choose a new output directory")
     return out
-
-
-def rank_main(argv, initialised, work):
-    """Shared launched-rank wrapper: process group + model parallel (tp, pp from argv[-2:])."""
-    from aligner.runtime.distributed import init_model_parallel, init_process_group, shutdown
-
-    tp, pp = int(argv[-2]), int(argv[-1])
-    if initialised:
-        return work(*argv[:-2], tp=tp, pp=pp)
-    init_process_group()
-    init_model_parallel(tp, pp)
-    try:
-        work(*argv[:-2], tp=tp, pp=pp)
-    finally:
-        shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +126,8 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str | N
     fields = hw.model_fields_from_hf(read_hf_config(hf_dir))  # clear errors before any rank starts
     _check_layout(fields, tp, pp)
     SafetensorsReader(hf_dir)
-    run_ranks("aligner.models.hf_convert:_import_main", [str(hf_dir), str(out_dir), params_dtype or "", str(tp), str(pp)],
-         tp * pp)
+    run_ranks("aligner.models.hf_convert:_import_main",
+              [str(hf_dir), str(out_dir), params_dtype or "", str(tp), str(pp)], tp * pp)
     return Path(out_dir)
 
 
@@ -317,12 +270,14 @@ def write_hf_dir(out_dir, config: dict, buckets, tokenizer_dir=None, generation_
     """Write config.json, one safetensors shard per non-empty bucket (model.safetensors when there
     is only one, else model-0000i-of-0000n.safetensors + index) and the tokenizer files, into a
     `.partial` directory renamed to `out_dir` at the end."""
-    from safetensors.torch import save_file
+    with atomic_directory(out_dir) as partial:  # an existing out_dir was checked empty by the caller
+        _fill_hf_dir(partial, config, buckets, tokenizer_dir, generation_config)
+    return Path(out_dir)
 
-    out = Path(out_dir)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+
+def _fill_hf_dir(partial: Path, config: dict, buckets, tokenizer_dir, generation_config: dict | None) -> None:
+    from safetensors.torch import save_file  # safetensors' writer only when used (module doc)
+
     shards, total = [], 0
     for bucket in buckets:
         if not bucket:
@@ -347,7 +302,3 @@ def write_hf_dir(out_dir, config: dict, buckets, tokenizer_dir=None, generation_
         for f in Path(tokenizer_dir).iterdir():
             if f.is_file() and f.name != "config.json":
                 shutil.copy2(f, partial / f.name)
-    if out.exists():
-        out.rmdir()  # checked empty by the caller
-    os.replace(partial, out)
-    return out

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from aligner.errors import UsageError
+from aligner.files import partial_path
 from aligner.runtime.optional import require
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ def quantize_checkpoint(ckpt, out, quantize: str, calib=None, *, calib_size: int
         log.info("calibrating %s on %d sequences (%s)", quantize, len(sequences), calib or "builtin texts")
         mtq.quantize(model, getattr(mtq, FORMATS[quantize][0]), forward_loop)
         error = logit_error(reference, _logits(model, evaluated, device))
-        partial = out.with_name(out.name + ".partial")
+        partial = partial_path(out)
         shutil.rmtree(partial, ignore_errors=True)
         model.to(DTYPES[dtype])  # the unquantised layers are written in this dtype; scales stay float32
         export_hf_checkpoint(model, dtype=DTYPES[dtype], export_dir=str(partial))

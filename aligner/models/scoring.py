@@ -26,12 +26,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.data.jsonl import read_token_sequences
+from aligner.launch.ranks import rank_main, run_ranks, single_process
 from aligner.models.checkpoint import (load_language_model, load_weights, model_config_from_checkpoint, read_metadata,
                                       scalar_head_outputs)
 from aligner.models.forward_step import collect, head_values, make_forward_step, run_micro_batches
 from aligner.models.gpt import build_gpt
 from aligner.models.heads import attach_scalar_head, last_token_scores
-from aligner.models.hf_convert import rank_main, run_ranks, single_process
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.sdpa_attention import use_fused_attention
 from aligner.runtime.distributed import device

@@ -23,13 +23,13 @@ another aligner package but aligner.errors.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
 from pathlib import Path
 
-from aligner.errors import UsageError
+from aligner.errors import ArgumentParser
+from aligner.files import atomic_write
 from aligner.observe import report_html
 from aligner.observe.progress import Progress
 from aligner.observe.report_run import ReportError, Run
@@ -57,14 +57,6 @@ VALIDATION = "Validation"  # the `val/*` metrics no family takes (e.g. val/<rewa
 # reward pool's own time (it overlaps the log-prob passes; `score_wait` is the loop's wait), and
 # `*_server` phases are measured by a server while the trainer does something else.
 UNSTACKED = re.compile(r"step|score|.+_server")
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose mistakes raise `UsageError` (one `error:` line, exit code 2), as aligner.cli's does
-    (this layer may not import aligner.cli)."""
-
-    def error(self, message: str):
-        raise UsageError(message, self.prog, f"see `{self.prog} --help`")
 
 
 # ---- reading run directories --------------------------------------------------------------------------
@@ -257,9 +249,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path, progress: bool = F
     page = report_html.render(runs, charts(runs), config_diff(runs))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    partial.write_text(page, encoding="utf-8")
-    partial.replace(out)
+    with atomic_write(out, encoding="utf-8") as f:
+        f.write(page)
     return out
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from aligner.errors import UserError
+from aligner.files import atomic_write
 from aligner.runtime.optional import require
 from aligner.servers.protocol import Endpoint
 
@@ -84,9 +85,8 @@ class Binding:
 
 def _write_ready_file(path: Path, info: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(info))
-    os.replace(partial, path)
+    with atomic_write(path) as f:
+        f.write(json.dumps(info))
 
 
 def _tensors(specs):

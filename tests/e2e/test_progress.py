@@ -120,7 +120,7 @@ def one_call_outputs(model_dir: str, prompts_path: str, out_prefix: str) -> None
     from aligner.generation.megatron_engine import MegatronEngine
     from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
     from aligner.models.gpt import build_gpt
-    from aligner.models.hf_convert import single_process
+    from aligner.launch.ranks import single_process
     from aligner.runtime.cpu_memory import keep_freed_memory
     from aligner.runtime.seeding import seed_everything
 

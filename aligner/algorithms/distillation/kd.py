@@ -23,7 +23,7 @@ import torch
 from aligner.algorithms.distillation import loss as kd_loss
 from aligner.algorithms.distillation import teacher_store as store
 from aligner.algorithms.shared.sft import SFTFormat
-from aligner.algorithms.distillation.teacher_logits import loss_positions, topk_forward_step
+from aligner.algorithms.distillation.teacher_ranks import loss_positions, topk_forward_step
 from aligner.algorithms.shared.trainer import Trainer
 from aligner.config import load_resolved
 from aligner.data.jsonl import DataError
@@ -120,7 +120,7 @@ def kd_forward_step(vocab_size: int, k):
 
 # ---- the online teacher --------------------------------------------------------------------------------------
 class ResidentTeacher:
-    """A teacher checkpoint in this process at the student's parallel layout; `attach` runs it over a
+    """A teacher checkpoint in this process at the student's parallel layout; `add_topk` runs it over a
     step's micro-batches and adds its top-k to each (on the last pipeline stage, where the loss runs)."""
 
     def __init__(self, path, model_cfg, top_k: int):
@@ -128,7 +128,7 @@ class ResidentTeacher:
         self.forward_step = topk_forward_step(top_k, self.vocab_size)
 
     @torch.no_grad()
-    def attach(self, micro_batches: list[dict], length: int) -> None:
+    def add_topk(self, micro_batches: list[dict], length: int) -> None:
         outputs = run_micro_batches(self.model, self.forward_step, micro_batches, length, forward_only=True)
         for batch, out in zip(micro_batches, outputs):
             shape = (batch["tokens"].shape[0], length, out["ids"].shape[-1])
@@ -146,7 +146,7 @@ class KDTrainer(Trainer):
     def step_micro_batches(self, samples: list) -> tuple[list[dict], int]:
         micro_batches, length = super().step_micro_batches(samples)
         if self.teacher is not None:
-            self.teacher.attach(micro_batches, length)
+            self.teacher.add_topk(micro_batches, length)
         return micro_batches, length
 
     def loop_state(self) -> dict:

@@ -22,7 +22,6 @@ train rs`). One process (CPU or one GPU). The tokenizer is CKPT/tokenizer unless
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -30,10 +29,22 @@ import torch
 
 from aligner import errors
 from aligner.algorithms.online.rs_select import flat_winners
+from aligner.config.load import compose_config
+from aligner.config.rs_schema import validate_rs_sampling
 from aligner.data.jsonl import read_jsonl
+from aligner.data.prompts import load_prompt_dataset
 from aligner.data.sft import check_messages
-from aligner.generation.cli import ArgumentParser
+from aligner.data.tokenizer import load_tokenizer
+from aligner.files import atomic_write
+from aligner.generation import rng
+from aligner.generation.backends import build_engine
+from aligner.generation.types import SamplingParams
+from aligner.models.checkpoint import load_language_model, model_config_from_checkpoint, read_metadata
 from aligner.observe.progress import Progress
+from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
+from aligner.runtime import distributed
+from aligner.runtime.cpu_memory import keep_freed_memory
+from aligner.runtime.seeding import seed_everything
 
 SECTIONS = ("rs.", "reward.", "sampling.", "generation.", "data.max_length=", "data.overlong=")
 ALIASES = {"batch_size": "generation.batch_size", "seed": "trainer.seed"}
@@ -66,11 +77,6 @@ def sft_record(raw_prompt, response: str, reward: float) -> dict | None:
 
 def load_config(args):
     """conf/rs.yaml composed with the overrides and this command's paths, checked (rs_schema)."""
-    from aligner.config.load import compose_config
-    from aligner.config.rs_schema import validate_rs_sampling
-    from aligner.models.checkpoint import read_metadata
-    from aligner.rewards.functions import resolve_reward_functions
-
     tokenizer = args.tokenizer or str(Path(args.model) / "tokenizer")
     for what, path in (("--model", args.model), ("--prompts", args.prompts), ("--tokenizer", tokenizer)):
         if not Path(path).exists():
@@ -93,18 +99,6 @@ def load_config(args):
 
 def generate_winners(cfg, out: str | Path) -> dict:
     """Generate, score, select and write (see the module doc); returns the counts and mean rewards."""
-    from aligner.data.prompts import load_prompt_dataset
-    from aligner.data.tokenizer import load_tokenizer
-    from aligner.generation import rng
-    from aligner.generation.backends import build_engine
-    from aligner.generation.types import SamplingParams
-    from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
-    from aligner.models.gpt import build_gpt
-    from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
-    from aligner.runtime import distributed
-    from aligner.runtime.cpu_memory import keep_freed_memory
-    from aligner.runtime.seeding import seed_everything
-
     r, s, w = cfg.rs, cfg.sampling, cfg.reward
     n = r.num_rollouts_per_prompt
     distributed.init_process_group()
@@ -113,9 +107,8 @@ def generate_winners(cfg, out: str | Path) -> dict:
     distributed.init_model_parallel()
     seed_everything(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
-    model_cfg, vocab_size = model_config_from_checkpoint(cfg.model.pretrained)
-    model = build_gpt(model_cfg, vocab_size)
-    load_weights(cfg.model.pretrained, model)
+    model_cfg, _ = model_config_from_checkpoint(cfg.model.pretrained)
+    model, vocab_size = load_language_model(cfg.model.pretrained)
     prompts = load_prompt_dataset(cfg.data.train_path, tokenizer, cfg.data.max_length, cfg.data.overlong)
     raw = {line: obj for line, obj in read_jsonl(cfg.data.train_path)}
     g = cfg.generation
@@ -155,11 +148,9 @@ def generate_winners(cfg, out: str | Path) -> dict:
             records.append(record)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    with open(partial, "w") as f:
+    with atomic_write(out) as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
-    os.replace(partial, out)
     distributed.shutdown()
     valid = [x for x in scores if x is not None]
     return {"prompts": len(prompts), "samples": len(scores), "unscored": len(scores) - len(valid),
@@ -169,7 +160,7 @@ def generate_winners(cfg, out: str | Path) -> dict:
 
 
 def rs_generate_main(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="aligner rs-generate", description=__doc__.splitlines()[0])
+    parser = errors.ArgumentParser(prog="aligner rs-generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="aligner checkpoint directory")
     parser.add_argument("--prompts", required=True, help='JSONL prompts: {"prompt": text or messages, ...}')
     parser.add_argument("--out", required=True, help="output JSONL of SFT records (the winners)")

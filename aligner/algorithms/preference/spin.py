@@ -36,6 +36,7 @@ from aligner.config import load_resolved
 from aligner.data.preference import PreferencePair
 from aligner.data.sft import load_sft_dataset
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+from aligner.files import atomic_write
 from aligner.generation import rng
 from aligner.generation.backends import build_engine
 from aligner.generation.types import SamplingParams
@@ -127,8 +128,8 @@ class SPINTrainer(SequenceTrainer):
         if dist.get_rank() == 0:
             path = self._pairs_path(k)
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(self.train_data, path.with_suffix(".partial"))
-            path.with_suffix(".partial").replace(path)
+            with atomic_write(path, "wb") as f:
+                torch.save(self.train_data, f)
         collectives.barrier()
         self.iteration = k
         if self.is_logger:

@@ -15,7 +15,7 @@ from aligner.data.steerlm_labels import write_attribute_labels
 from aligner.data.tokenizer import load_tokenizer
 from aligner.models.checkpoint import read_metadata
 from aligner.models.heads import last_token_scores
-from aligner.models.hf_convert import single_process
+from aligner.launch.ranks import single_process
 from aligner.models.scoring import forward_rows, load_scalar_model
 from aligner.observe.progress import Progress
 from aligner.runtime.distributed import device
