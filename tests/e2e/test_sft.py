@@ -38,7 +38,10 @@ def test_sft_learns_and_writes_the_run_directory(tiny_assets, tmp_path):
 
 @pytest.mark.parametrize("layout", [[], ["launcher.nproc_per_node=2", "optim.distributed_optimizer=true"]],
                          ids=["single", "dp2_distributed_optimizer"])
-def test_resume_is_bitwise_identical(tiny_assets, tmp_path, layout):
+def test_resume_is_bitwise_identical_and_skips_partial_and_incomplete_checkpoints(tiny_assets, tmp_path, layout):
+    """A run stopped after its step-3 checkpoint and re-run resumes from it, bitwise; beside it, a save that
+    died before publishing (step_000009.partial) and one that died before COMPLETE was written (step_000008)
+    are never picked."""
     # decay_steps is pinned so that the interrupted run (max_steps=3 first) has the same schedule.
     common = ["trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.save_interval=3",
               "optim.warmup_steps=2", "optim.decay_steps=6", *layout]
@@ -46,28 +49,17 @@ def test_resume_is_bitwise_identical(tiny_assets, tmp_path, layout):
     assert_cli_ok(run_cli(*sft_args(tiny_assets, full, "trainer.max_steps=6", *common)))
     assert_cli_ok(run_cli(*sft_args(tiny_assets, split, "trainer.max_steps=3", *common)))
     assert [m["step"] for m in read_metrics(split)] == [1, 2, 3]
+    checkpoints = split / "checkpoints"
+    shutil.copytree(checkpoints / "step_000003", checkpoints / "step_000009.partial")
+    shutil.copytree(checkpoints / "step_000003", checkpoints / "step_000008")
+    (checkpoints / "step_000008" / "COMPLETE").unlink()
     result = run_cli(*sft_args(tiny_assets, split, "trainer.max_steps=6", *common))
     assert_cli_ok(result)
-    assert "resumed from" in result.stderr
+    assert "resumed from" in result.stderr and "step_000003 at step 3" in result.stderr
     resumed = read_metrics(split)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
     assert_metrics_match_by_step(resumed, read_metrics(full),
                                  ("loss", "grad_norm", "lr", "loss_count", "consumed_samples"))
-
-
-def test_partial_and_incomplete_checkpoints_are_never_picked(tiny_assets, tmp_path):
-    run_dir = tmp_path / "run"
-    common = ["trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.save_interval=2"]
-    assert_cli_ok(run_cli(*sft_args(tiny_assets, run_dir, "trainer.max_steps=2", *common)))
-    checkpoints = run_dir / "checkpoints"
-    # a save that died before publishing, and one that died before COMPLETE was written
-    shutil.copytree(checkpoints / "step_000002", checkpoints / "step_000009.partial")
-    shutil.copytree(checkpoints / "step_000002", checkpoints / "step_000008")
-    (checkpoints / "step_000008" / "COMPLETE").unlink()
-    result = run_cli(*sft_args(tiny_assets, run_dir, "trainer.max_steps=3", *common))
-    assert_cli_ok(result)
-    assert "resumed from" in result.stderr and "step_000002 at step 2" in result.stderr
-    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
 
 
 def test_bad_config_fails_before_any_rank_starts(tiny_assets, tmp_path):
