@@ -79,6 +79,12 @@ class JobTensorRTLLM:
         self.engine.refit(weight_stream if weight_stream is not None else
                           iter_hf_weights(self.model, self.model_cfg, self.vocab_size, all_ranks=True))
 
+    def refit_check(self, trainer_model=None) -> dict:
+        """TensorRT-LLM's weights cannot be read back to compare: config validation refuses
+        generation.check_refit with this backend, so no loop gets here."""
+        raise NotImplementedError("generation.check_refit compares the megatron engine's weights with the trainer's; "
+                                  "TensorRT-LLM holds its own copy: set generation.check_refit=false")
+
     def sleep(self) -> None:
         if self.engine is not None and dist.get_rank() == 0:
             self.engine.sleep()

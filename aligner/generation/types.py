@@ -148,6 +148,11 @@ class GenerationBackend(Protocol):
         """Bring the engine's weights up to date with the trainer's (from `weight_stream` if given)."""
         ...
 
+    def refit_check(self, trainer_model=None) -> dict:
+        """Compare the engine's weights with `trainer_model`'s (`generation.check_refit`). Collective.
+        {"shared": same storage, "bitwise": equal bit for bit, "max_abs_diff": float, "params": int}."""
+        ...
+
     def sleep(self) -> None:
         """Release memory the engine holds between generate calls (KV cache, copies)."""
         ...

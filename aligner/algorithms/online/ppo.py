@@ -20,17 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from aligner.algorithms.shared.sequence_trainer import packing_enabled
 from aligner.algorithms.online.ppo_trainer import PPOTrainer
-from aligner.algorithms.shared.reference import Reference
-from aligner.algorithms.online.setup import build_rl_policy
+from aligner.algorithms.online.setup import build_online_run
 from aligner.data.tokenizer import load_tokenizer
 from aligner.config import load_resolved
 from aligner.config.schema import OptimConfig
 from aligner.models import checkpoint
-from aligner.models.sdpa_attention import all_fused
 from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
 from aligner.runtime import distributed
 
@@ -115,7 +112,7 @@ class Service:
         return (len(samples), self.critic.values(sequences) if values else None,
                 self.reward.score(sequences) if scores else None, functions)
 
-    def collect(self, pending: list, samples: list) -> tuple[np.ndarray, list, float]:
+    def await_values_and_scores(self, pending: list, samples: list) -> tuple[np.ndarray, list, float]:
         """(values [N, T] per response token, scores with None = unscored, the service's seconds) of the
         samples whose requests `pending` holds, in order. A chunk the service failed for is asked again
         (`answered`) until critic.timeout_s after the step's first failure; a sample still failing then is
@@ -272,25 +269,14 @@ def _set_aside_stale(checkpoints: Path) -> None:
 
 def run(cfg) -> None:
     """One rank of `aligner train ppo` with a validated config."""
-    m, a = cfg.model, cfg.algorithm
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
     step = resume_step(cfg.run_dir)
     with contextlib.ExitStack() as stack:
         service = stack.enter_context(critic_service(cfg, step)) if dist.get_rank() == 0 else None
-        policy = build_rl_policy(cfg)
-        tokenizer, vocab_size, model = policy.tokenizer, policy.vocab_size, policy.model
-        optimizer, scheduler, prompts, val, engine = (policy.optimizer, policy.scheduler, policy.prompts, policy.val,
-                                                      policy.engine)
-        reference = Reference(str(cfg.reference.mode), model, m, vocab_size, m.pretrained) if a.kl.mode != "none" \
-            else None
-        val_scorer = None
-        if dist.get_rank() == 0 and cfg.reward.val_functions:
-            val_scorer = stack.enter_context(contextlib.closing(
-                RewardScorer(resolve_reward_functions(list(cfg.reward.val_functions)), workers=1)))
-        flat = packed and ps.get_context_parallel_world_size() == 1 and all_fused(checkpoint.unwrap(model))
-        trainer = PPOTrainer(cfg, model, optimizer, scheduler, prompts, val, vocab_size, tokenizer, engine, service,
-                             reference, packing={"packed": packed, "capacity": None, "flat": flat},
-                             val_scorer=val_scorer)
-        trainer.fit()
+        # the critic service's reward replaces reward.functions' scorer (module doc)
+        run = stack.enter_context(contextlib.closing(
+            build_online_run(cfg, packed, reference=cfg.algorithm.kl.mode != "none", score=False)))
+        PPOTrainer(*run.trainer_args(cfg), service, run.reference, packing=run.packing,
+                   val_scorer=run.val_scorer).fit()
     distributed.shutdown()

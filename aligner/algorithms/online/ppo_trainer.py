@@ -98,7 +98,7 @@ class PPOTrainer(RLTrainer):
                 self.engine.refit()
             refit = self.refit_metrics()
         with timings("critic_train"):
-            critic = self.collect_critic_train(training)
+            critic = self.await_critic_train(training)
         metrics = {**rl_samples.rollout_metrics(samples, 0, self.a.prompts_per_step), **update, **refit, **critic}
         valid = mask.bool()
         metrics.update({"returns/mean": masked_mean(returns, mask).item(),
@@ -135,7 +135,7 @@ class PPOTrainer(RLTrainer):
         result = None
         if self.service is not None:
             try:
-                result = self.service.collect(pending, samples)
+                result = self.service.await_values_and_scores(pending, samples)
             except ConnectionError as e:
                 result = str(e)
         result = collectives.broadcast_object(result, src=0)
@@ -147,7 +147,7 @@ class PPOTrainer(RLTrainer):
     def score_validation(self, samples: list[Sample]) -> None:
         """The service's reward (+ reward functions) of the greedy validation samples; no values."""
         pending = [self.service.submit(samples, self.tokenizer, values=False)] if self.service is not None else []
-        _, scores, _ = self.collect(samples, pending)
+        _, scores, _ = self.await_service(samples, pending)
         rl_samples.apply_scores(samples, scores, self.a, self.params.max_new_tokens)
 
     def send_critic_train(self, samples: list[Sample], returns, values, mask):
@@ -167,7 +167,7 @@ class PPOTrainer(RLTrainer):
             seq["mask"][i, at] = mask[i, :r].numpy()
         return self.service.critic.train(tokens, seq["returns"], seq["prev_values"], seq["mask"])
 
-    def collect_critic_train(self, training) -> dict:
+    def await_critic_train(self, training) -> dict:
         result = {}
         if self.service is not None and training is not None:
             try:

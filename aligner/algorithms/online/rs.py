@@ -22,25 +22,23 @@ Metrics: `reward/mean` and `reward/std` (every scored sample), `reward/kept_mean
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
 import time
 
 import torch
-from megatron.core import parallel_state as ps
 
 from aligner.algorithms.shared.sft import SFTObjective
 from aligner.algorithms.shared.sequence_trainer import attach, packing_enabled
 from aligner.algorithms.online.samples import Sample, rollout_metrics
-from aligner.algorithms.online.setup import build_rl_policy, reward_scorers
+from aligner.algorithms.online.setup import build_online_run
 from aligner.algorithms.online.rollouts import RolloutTrainer, Timings
 from aligner.algorithms.online.rs_select import flat_winners
 from aligner.algorithms.shared.sequence_logprobs import sequence_loss_step
 from aligner.config import load_resolved
 from aligner.config.rl_schema import RLAlgorithmConfig
-from aligner.models.checkpoint import unwrap
-from aligner.models.sdpa_attention import all_fused
 from aligner.runtime import distributed
 
 SFT = SFTObjective()
@@ -137,15 +135,6 @@ def run(cfg) -> None:
     """One rank of `aligner train rs` with a validated config."""
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
-    policy = build_rl_policy(cfg)
-    scorer, val_scorer = reward_scorers(cfg, policy.tokenizer)
-    flat = packed and ps.get_context_parallel_world_size() == 1 and all_fused(unwrap(policy.model))
-    trainer = RSTrainer(cfg, policy.model, policy.optimizer, policy.scheduler, policy.prompts, policy.val,
-                        policy.vocab_size, policy.tokenizer, policy.engine, scorer, packing={"packed": packed, "capacity": None, "flat": flat}, val_scorer=val_scorer)
-    try:
-        trainer.fit()
-    finally:
-        for s in (scorer, val_scorer):
-            if s is not None:
-                s.close()
+    with contextlib.closing(build_online_run(cfg, packed, reference=False)) as run:
+        RSTrainer(*run.trainer_args(cfg), run.scorer, packing=run.packing, val_scorer=run.val_scorer).fit()
     distributed.shutdown()

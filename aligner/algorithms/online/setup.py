@@ -1,11 +1,15 @@
-"""What every online trainer (GRPO, PPO, RS) builds on a rank before its loop: the tokenizer, the prompt
-sets, the policy with its optimizer, and the generation engine over the policy's live weights."""
+"""What every online trainer (GRPO, REINFORCE, PPO, RS) builds on a rank before its loop, in one place: the
+tokenizer, the prompt sets, the policy with its optimizer, the generation engine over the policy's live
+weights, the frozen reference (when the loss has a KL term), the reward scorers (global rank 0) and the
+packing layout of its micro-batches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from aligner.algorithms.shared.reference import Reference, build_reference
+from aligner.algorithms.shared.sequence_trainer import flat_packing
 from aligner.data.prompts import load_prompt_dataset
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
 from aligner.generation.backends import build_engine
@@ -16,7 +20,8 @@ from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
 
 
 @dataclass
-class Policy:
+class OnlineRun:
+    """The parts of one rank of an online run; `close` stops the reward scorers."""
     tokenizer: object
     vocab_size: int
     prompts: object
@@ -25,9 +30,27 @@ class Policy:
     optimizer: object
     scheduler: object
     engine: GenerationBackend
+    reference: Reference | None  # None without a KL term
+    scorer: RewardScorer | None  # global rank 0 only, and only when the run scores with reward.functions
+    val_scorer: RewardScorer | None  # reward.val_functions, global rank 0 only
+    packing: dict  # {"packed", "capacity", "flat"}: build_micro_batches' layout
+
+    def trainer_args(self, cfg) -> tuple:
+        """The leading arguments every online trainer takes: (cfg, model, optimizer, scheduler, prompts,
+        val prompts, vocab size, tokenizer, engine)."""
+        return (cfg, self.model, self.optimizer, self.scheduler, self.prompts, self.val, self.vocab_size,
+                self.tokenizer, self.engine)
+
+    def close(self) -> None:
+        for scorer in (self.scorer, self.val_scorer):
+            if scorer is not None:
+                scorer.close()
 
 
-def build_rl_policy(cfg) -> Policy:
+def build_online_run(cfg, packed: bool, *, reference: bool, score: bool = True) -> OnlineRun:
+    """The run's parts, built in this order: policy and engine, then the reference (while the policy
+    holds its initial weights, before the trainer resumes), then the scorers. `packed`: `packing_enabled`;
+    `score`: build the reward.functions scorer (PPO's scores come from its critic service instead)."""
     m, d = cfg.model, cfg.data
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
@@ -37,17 +60,24 @@ def build_rl_policy(cfg) -> Policy:
     g = cfg.generation
     engine = build_engine(str(g.backend), model, m, vocab_size, tokenizer, batch_size=g.batch_size, decode=g.decode,
                           tokenizer_dir=cfg.tokenizer.path, checkpoint=m.pretrained)
-    return Policy(tokenizer, vocab_size, prompts, val, model, optimizer, scheduler, engine)
+    ref = build_reference(cfg, model, vocab_size, str(cfg.reference.mode)) if reference else None
+    scorer, val_scorer = reward_scorers(cfg, tokenizer, score)
+    packing = {"packed": packed, "capacity": None, "flat": flat_packing(packed, model)}
+    return OnlineRun(tokenizer, vocab_size, prompts, val, model, optimizer, scheduler, engine, ref, scorer, val_scorer,
+                     packing)
 
 
-def reward_scorers(cfg, tokenizer):
+def reward_scorers(cfg, tokenizer, score: bool = True):
     """(scorer, val_scorer) on global rank 0, else (None, None): reward.functions and/or reward.url (a
-    server that must answer before the first step), and reward.val_functions for greedy validation."""
+    server that must answer before the first step; None without `score`), and reward.val_functions for
+    greedy validation."""
     if dist.get_rank() != 0:
         return None, None
     r = cfg.reward
-    scorer = RewardScorer(resolve_reward_functions(list(r.functions)), list(r.weights) if r.weights is not None
-                          else None, workers=r.workers, url=r.url, remote_timeout_s=r.timeout_s, tokenizer=tokenizer)
-    scorer.wait_ready()
+    scorer = None
+    if score:
+        scorer = RewardScorer(resolve_reward_functions(list(r.functions)), list(r.weights) if r.weights is not None
+                              else None, workers=r.workers, url=r.url, remote_timeout_s=r.timeout_s, tokenizer=tokenizer)
+        scorer.wait_ready()
     val_scorer = RewardScorer(resolve_reward_functions(list(r.val_functions)), workers=1) if r.val_functions else None
     return scorer, val_scorer

@@ -85,6 +85,13 @@ class Reference:
         return self.run(lambda model: logprob_sums(model, micro_batches, length, self.vocab_size))
 
 
+def build_reference(cfg, policy, vocab_size: int, mode: str) -> Reference:
+    """The run's reference in `mode` (`model` or `cpu_swap`): `cfg.model.pretrained`'s weights, else the
+    policy's initial ones. Every trainer builds its reference here."""
+    m = cfg.model
+    return Reference(mode, policy, m, vocab_size, m.pretrained)
+
+
 # ---- precomputed reference log-probs -------------------------------------------------------------------
 def _fingerprint(dataset, sequences_of, reference_id: str) -> str:
     digest = hashlib.sha256(reference_id.encode())

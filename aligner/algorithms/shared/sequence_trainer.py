@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from megatron.core import parallel_state as ps
 
-from aligner.algorithms.shared.reference import Reference, cached_reference
+from aligner.algorithms.shared.reference import Reference, build_reference, cached_reference
 from aligner.algorithms.shared.sequence_logprobs import interleave
 from aligner.algorithms.shared.trainer import Trainer
 from aligner.data.loader import split_for_rank
@@ -80,17 +80,15 @@ class SequenceTrainer(Trainer):
     def __init__(self, *args, algorithm: SequenceObjective, reference_mode: str | None, packing: dict,
                  **kwargs):
         super().__init__(*args, **kwargs)
-        # Packed rows are flat (no padding between bins) where the attention takes block masks; the
-        # portable context-parallel attention takes a dense mask over its chunks of a row.
-        flat = packing["packed"] and ps.get_context_parallel_world_size() == 1 and all_fused(unwrap(self.model))
+        flat = flat_packing(packing["packed"], self.model)
         self.algorithm, self.reference_mode, self.packing = algorithm, reference_mode, {**packing, "flat": flat}
         self.reference: Reference | None = None
 
     def resume(self) -> None:
         if self.algorithm.uses_reference:
             m = self.cfg.model
-            self.reference = Reference("model" if self.reference_mode == "precompute" else self.reference_mode,
-                                       self.model, m, self.vocab_size, m.pretrained)
+            self.reference = build_reference(self.cfg, self.model, self.vocab_size,
+                                             "model" if self.reference_mode == "precompute" else self.reference_mode)
             if self.reference_mode == "precompute":
                 reference_id = f"{m.pretrained or f'init seed={self.cfg.trainer.seed}'} {dict(m)}"
                 common = (self.reference, self.algorithm.reference_sequences, reference_id,
@@ -134,6 +132,12 @@ def attach(micro: list[dict], key: str, values: list[torch.Tensor]) -> None:
     """Give micro-batch i `values[i]` under `key`."""
     for batch, value in zip(micro, values):
         batch[key] = value
+
+
+def flat_packing(packed: bool, model) -> bool:
+    """Whether packed rows are flat (no padding between bins): where the attention takes block masks.
+    The portable context-parallel attention takes a dense mask over its chunks of a row instead."""
+    return packed and ps.get_context_parallel_world_size() == 1 and all_fused(unwrap(model))
 
 
 def packing_enabled(cfg) -> bool:
