@@ -22,9 +22,15 @@ import torch.distributed as dist
 
 from aligner.generation import rng
 from aligner.generation.types import GenerationBackend, Rollout, SamplingParams, WeightStream
+from aligner.models import hf_weights as hw
+from aligner.models.checkpoint import read_metadata
+from aligner.models.hf_convert import write_hf_dir
 from aligner.runtime import collectives
+from aligner.runtime.optional import require
 
 # the megatron engine and TensorRT-LLM are imported where they are used: one backend never imports the other.
+# megatron, and the modules that import it, are imported inside the functions too: `aligner generate`'s CLI
+# process imports this module before it launches ranks.
 
 
 def build_engine(backend: str, model, model_cfg, vocab_size: int, tokenizer, *, batch_size: int,
@@ -35,7 +41,7 @@ def build_engine(backend: str, model, model_cfg, vocab_size: int, tokenizer, *, 
     came from, for its Hugging Face architecture) go into TensorRT-LLM's export."""
     eos, pad = (tokenizer.eos_token_id, tokenizer.pad_token_id) if tokenizer is not None else (None, None)
     if backend == "megatron":
-        from aligner.generation.megatron_engine import MegatronEngine
+        from aligner.generation.megatron_engine import MegatronEngine  # one backend only (see above)
 
         return MegatronEngine(model, model_cfg, vocab_size, eos_id=eos, pad_id=pad, tokenizer=tokenizer,
                               max_batch_size=batch_size, decode=str(decode))
@@ -49,8 +55,6 @@ class JobTensorRTLLM:
 
     def __init__(self, model, model_cfg, vocab_size: int, eos_id: Optional[int], pad_id: Optional[int],
                  batch_size: int, tokenizer_dir=None, checkpoint=None):
-        from aligner.runtime.optional import require
-
         require("tensorrt_llm")  # on every rank, before the first step: one line if it cannot load here
         self.model, self.model_cfg, self.vocab_size = model, model_cfg, int(vocab_size)
         self.eos_id, self.pad_id = eos_id, pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
@@ -74,7 +78,7 @@ class JobTensorRTLLM:
         there is nothing to do: the engine starts from the live weights."""
         if self.engine is None:
             return
-        from aligner.models.weight_stream import iter_hf_weights
+        from aligner.models.weight_stream import iter_hf_weights  # imports megatron (see above)
 
         self.engine.refit(weight_stream if weight_stream is not None else
                           iter_hf_weights(self.model, self.model_cfg, self.vocab_size, all_ranks=True))
@@ -95,7 +99,7 @@ class JobTensorRTLLM:
 
     def _start(self) -> None:
         """Export the live weights as a Hugging Face directory (collective; rank 0 writes) and start the engine."""
-        from aligner.generation.trtllm_engine import TensorRTLLMEngine
+        from aligner.generation.trtllm_engine import TensorRTLLMEngine  # one backend only (see above)
 
         path = None
         if dist.get_rank() == 0:
@@ -133,10 +137,7 @@ def generate_on_rank0(engine, prompts: list[list[int]], params: SamplingParams, 
 def export_hf(model, model_cfg, vocab_size: int, out_dir, tokenizer_dir=None, checkpoint=None) -> None:
     """Collective: `model`'s weights as a Hugging Face directory at `out_dir`, written by rank 0 (`out_dir`
     is read there only). The architecture and token ids are those `checkpoint` was imported with, if any."""
-    from aligner.models import hf_weights as hw
-    from aligner.models.checkpoint import read_metadata
-    from aligner.models.hf_convert import write_hf_dir
-    from aligner.models.weight_stream import iter_hf_weights
+    from aligner.models.weight_stream import iter_hf_weights  # imports megatron (see above)
 
     buckets = iter_hf_weights(model, model_cfg, vocab_size)
     if dist.get_rank() != 0:
@@ -151,7 +152,7 @@ def export_hf(model, model_cfg, vocab_size: int, out_dir, tokenizer_dir=None, ch
 
 def _replica() -> tuple[int, bool]:
     """(this rank's data-parallel replica, whether it is the replica's first rank: TP, PP and CP rank 0)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # see above
 
     first = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
              and ps.get_context_parallel_rank() == 0)

@@ -29,6 +29,7 @@ from aligner.data.steerlm import condition_ids, insert_condition, parse_conditio
 from aligner.data.tokenizer import load_tokenizer
 from aligner.files import atomic_write
 from aligner.generation import rng
+from aligner.generation.backends import build_engine
 from aligner.generation.types import DECODE_MODES, SamplingParams
 from aligner.launch.local import launch
 from aligner.models.checkpoint import load_language_model, model_config_from_checkpoint, read_metadata
@@ -36,8 +37,8 @@ from aligner.observe.progress import Progress
 from aligner.runtime.cpu_memory import keep_freed_memory
 from aligner.runtime import collectives
 
-# megatron, and the modules that import it (the engine, runtime.distributed, runtime.seeding), are
-# imported inside run_generation: the CLI process imports this module before it launches ranks.
+# megatron, and the modules that import it (runtime.distributed, runtime.seeding), are imported inside
+# run_generation: the CLI process imports this module before it launches ranks.
 
 OVERRIDES = {  # key -> (type, default)
     "sampling.greedy": (bool, False),
@@ -136,9 +137,8 @@ def response_records(rollout, tokenizer) -> list[dict]:
 
 def run_generation(job: dict) -> None:
     """One rank: load the checkpoint under TP x PP, generate this data-parallel rank's share, rank 0 writes."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron and its importers: on the ranks only (see above)
 
-    from aligner.generation.backends import build_engine
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
 

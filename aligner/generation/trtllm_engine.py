@@ -128,7 +128,7 @@ class TensorRTLLMEngine:
     def __init__(self, hf_dir: str, tensor_parallel_size: int = 1, eos_id: Optional[int] = None, pad_id: int = 0,
                  max_batch_size: int = 256, max_seq_len: int = 4096, kv_cache_fraction: float = 0.5):
         trt = require("tensorrt_llm")
-        from tensorrt_llm.llmapi import KvCacheConfig
+        from tensorrt_llm.llmapi import KvCacheConfig  # optional dependency
 
         self._trt = trt
         self.eos_id, self.pad_id = eos_id, pad_id
@@ -151,7 +151,7 @@ class TensorRTLLMEngine:
         """Collective over every rank (`send_weight_stream`)."""
         if weight_stream is None:
             raise ValueError("TensorRT-LLM holds its own copy of the weights: refit needs a weight stream")
-        from tensorrt_llm._torch.utils import get_device_uuid
+        from tensorrt_llm._torch.utils import get_device_uuid  # optional dependency
 
         index = torch.cuda.current_device()
         send_weight_stream(weight_stream, get_device_uuid(index), torch.device("cuda", index), reduce_tensor,

@@ -14,12 +14,16 @@ import importlib
 import torch.distributed as dist
 
 from aligner.launch.local import launch
-from aligner.runtime.distributed import init_model_parallel, init_process_group, shutdown
+
+# runtime.distributed is imported inside the functions: it imports megatron (seconds, and its warnings),
+# which a command's process that only launches ranks never needs.
 
 
 @contextlib.contextmanager
 def single_process():
     """A one-rank process group with TP=PP=1 for in-process work; torn down afterwards if we made it."""
+    from aligner.runtime.distributed import init_model_parallel, init_process_group, shutdown  # megatron
+
     created = not dist.is_initialized()
     init_process_group()
     if dist.get_world_size() != 1:
@@ -44,6 +48,8 @@ def run_ranks(entry: str, args: list[str], nproc: int) -> None:
 
 def rank_main(argv, initialised, work):
     """Shared launched-rank wrapper: process group + model parallel (tp, pp from argv[-2:])."""
+    from aligner.runtime.distributed import init_model_parallel, init_process_group, shutdown  # megatron
+
     tp, pp = int(argv[-2]), int(argv[-1])
     if initialised:
         return work(*argv[:-2], tp=tp, pp=pp)

@@ -21,16 +21,25 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-# megatron and the model modules are imported inside the functions: `aligner convert` imports this
-# module in the CLI process, which with several ranks only launches them (megatron costs seconds
-# there and prints its apex/TE warnings); safetensors' writer and transformers only when used.
-
+from aligner.config.schema import ModelConfig
+from aligner.data.tokenizer import load_tokenizer
 from aligner.errors import UserError
 from aligner.files import atomic_directory
 from aligner.launch.ranks import rank_main, run_ranks
 from aligner.models import hf_weights as hw
+from aligner.models.checkpoint import (load_weights, model_config_from_checkpoint, read_metadata, save_checkpoint,
+                                      scalar_head_outputs)
+from aligner.models.gpt import build_gpt, layer_offset
 from aligner.observe.progress import Progress
+
+# megatron, and the modules that import it, are imported inside the rank functions: `aligner convert`
+# imports this module in the CLI process, which with several ranks only launches them (megatron costs
+# seconds there and prints its apex/TE warnings).
 
 # Files of a HF model directory that belong to its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -59,8 +68,6 @@ class SafetensorsReader:
         if index.exists():
             self.files = {name: hf_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
         elif (hf_dir / "model.safetensors").exists():
-            from safetensors import safe_open
-
             with safe_open(hf_dir / "model.safetensors", "pt") as f:
                 self.files = {name: hf_dir / "model.safetensors" for name in f.keys()}
         else:
@@ -69,8 +76,6 @@ class SafetensorsReader:
         self._open = {}
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if name not in self.files:
             raise KeyError(f"tensor {name} is not in the checkpoint")
         path = self.files[name]
@@ -102,10 +107,6 @@ def _check_layout(fields: dict, tp: int, pp: int) -> None:
 
 
 def _model_config(fields: dict, tp: int, pp: int):
-    from omegaconf import OmegaConf
-
-    from aligner.config.schema import ModelConfig
-
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), fields,
                            {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp})
 
@@ -138,12 +139,9 @@ def _import_main(argv: list[str], initialised: bool = False) -> None:
 @torch.no_grad()
 def import_rank(hf_dir, out_dir, params_dtype: str = "", *, tp: int, pp: int) -> None:
     """Collective, in a process group already set up for (tp, pp): build, fill, save."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron: on the ranks only (module comment)
 
-    from aligner.models.checkpoint import save_checkpoint
-    from aligner.models.gpt import build_gpt, layer_offset
-    from aligner.runtime.seeding import seed_everything
+    from aligner.runtime.seeding import seed_everything  # imports megatron
 
     hf_config = read_hf_config(hf_dir)
     fields = hw.model_fields_from_hf(hf_config)
@@ -157,7 +155,7 @@ def import_rank(hf_dir, out_dir, params_dtype: str = "", *, tp: int, pp: int) ->
     seed_everything(0)  # initial values are overwritten; megatron still needs its RNG tracker seeded
     model = build_gpt(cfg, vocab)
     if score:
-        from aligner.models.heads import attach_scalar_head
+        from aligner.models.heads import attach_scalar_head  # imports megatron
 
         attach_scalar_head(model, score)
     g = hw.Geometry.of(cfg, vocab, score_outputs=score)
@@ -190,8 +188,6 @@ def mcore_to_hf(ckpt_dir, out_dir, dtype: str | None = None, *, tp: int = 1, pp:
     as `*ForCausalLM`, a reward model as `*ForSequenceClassification`. `dtype` (float32 | bfloat16 |
     float16) defaults to the checkpoint's parameter dtype; `tp`/`pp` spread a model too large for
     one device over several ranks."""
-    from aligner.models.checkpoint import read_metadata
-
     head = read_metadata(ckpt_dir).get("head", "lm")
     if head not in ("lm", "reward"):
         raise ValueError(f"{ckpt_dir} has a '{head}' head; only language and reward models export to HF")
@@ -209,12 +205,7 @@ def export_rank(ckpt_dir, out_dir, dtype: str = "", max_shard_bytes: str | int =
                 tp: int, pp: int) -> None:
     """Collective, in a process group set up for (tp, pp): load the checkpoint, stream it to rank 0
     (`aligner.models.weight_stream`), write."""
-    import torch.distributed as dist
-
-    from aligner.models.checkpoint import (load_weights, model_config_from_checkpoint, read_metadata,
-                                          scalar_head_outputs)
-    from aligner.models.gpt import build_gpt
-    from aligner.models.heads import attach_scalar_head
+    from aligner.models.heads import attach_scalar_head  # these three import megatron: on the ranks only
     from aligner.models.weight_stream import iter_hf_weights
     from aligner.runtime.seeding import seed_everything
 
@@ -261,8 +252,6 @@ def _as_sequence_classification(config: dict, meta: dict, outputs: int, tokenize
                   id2label={str(i): label for i, label in enumerate(labels)},
                   label2id={label: i for i, label in enumerate(labels)})
     if config.get("pad_token_id") is None and tokenizer_dir.is_dir():  # HF needs it for batches of > 1
-        from aligner.data.tokenizer import load_tokenizer
-
         config["pad_token_id"] = load_tokenizer(tokenizer_dir).pad_token_id
 
 
@@ -276,8 +265,6 @@ def write_hf_dir(out_dir, config: dict, buckets, tokenizer_dir=None, generation_
 
 
 def _fill_hf_dir(partial: Path, config: dict, buckets, tokenizer_dir, generation_config: dict | None) -> None:
-    from safetensors.torch import save_file  # safetensors' writer only when used (module doc)
-
     shards, total = [], 0
     for bucket in buckets:
         if not bucket:

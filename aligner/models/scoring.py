@@ -49,7 +49,7 @@ def _load_tokenizer(path, where: str):
     if path is None or not Path(path).is_dir():
         raise FileNotFoundError(f"{where} has text to tokenize but there is no tokenizer at {path}; pass "
                                 "tokenizer_path (--tokenizer) or give input_ids")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy, and only for text inputs
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 

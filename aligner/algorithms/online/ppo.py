@@ -30,6 +30,8 @@ from aligner.config.schema import OptimConfig
 from aligner.models import checkpoint
 from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
 from aligner.runtime import distributed
+from aligner.servers.client import CriticClient, RewardClient
+from aligner.servers.process import ServerProcess, free_port_block
 
 log = logging.getLogger(__name__)
 RETRY_BACKOFF_S = 0.5
@@ -66,8 +68,6 @@ class Service:
 
     def __init__(self, critic_url: str, reward_url: str | None, timeout_s: float, save_timeout_s: float,
                  scorer: RewardScorer | None):
-        from aligner.servers.client import CriticClient, RewardClient
-
         host, port = _host_port(critic_url)
         retries = _retries(timeout_s)
         self.where, self.timeout_s, self.save_timeout_s, self.scorer = critic_url, timeout_s, save_timeout_s, scorer
@@ -223,8 +223,6 @@ def embedded_overrides(cfg, step: int) -> list[str]:
 def critic_service(cfg, step: int):
     """Global rank 0: the connected `Service` (starting the embedded one first when critic.url is unset);
     stopped and closed on the way out, however the run ends."""
-    from aligner.servers.process import ServerProcess, free_port_block
-
     c, r = cfg.critic, cfg.reward
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     functions = resolve_reward_functions(list(r.functions))
