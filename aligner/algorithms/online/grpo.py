@@ -22,7 +22,7 @@ def run(cfg) -> None:
     """One rank of `aligner train grpo|reinforce` with a validated config."""
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
-    with contextlib.closing(build_online_run(cfg, packed, reference=cfg.algorithm.kl.mode != "none")) as run:
-        RLTrainer(*run.trainer_args(cfg), run.scorer, run.reference, packing=run.packing,
-                  val_scorer=run.val_scorer).fit()
+    with contextlib.closing(build_online_run(cfg, packed, reference=cfg.algorithm.kl.mode != "none")) as online:
+        RLTrainer(*online.trainer_args(cfg), online.scorer, online.reference, packing=online.packing,
+                  val_scorer=online.val_scorer).fit()
     distributed.shutdown()

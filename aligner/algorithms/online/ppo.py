@@ -273,8 +273,8 @@ def run(cfg) -> None:
     with contextlib.ExitStack() as stack:
         service = stack.enter_context(critic_service(cfg, step)) if dist.get_rank() == 0 else None
         # the critic service's reward replaces reward.functions' scorer (module doc)
-        run = stack.enter_context(contextlib.closing(
+        online = stack.enter_context(contextlib.closing(
             build_online_run(cfg, packed, reference=cfg.algorithm.kl.mode != "none", score=False)))
-        PPOTrainer(*run.trainer_args(cfg), service, run.reference, packing=run.packing,
-                   val_scorer=run.val_scorer).fit()
+        PPOTrainer(*online.trainer_args(cfg), service, online.reference, packing=online.packing,
+                   val_scorer=online.val_scorer).fit()
     distributed.shutdown()

@@ -135,6 +135,6 @@ def run(cfg) -> None:
     """One rank of `aligner train rs` with a validated config."""
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
-    with contextlib.closing(build_online_run(cfg, packed, reference=False)) as run:
-        RSTrainer(*run.trainer_args(cfg), run.scorer, packing=run.packing, val_scorer=run.val_scorer).fit()
+    with contextlib.closing(build_online_run(cfg, packed, reference=False)) as online:
+        RSTrainer(*online.trainer_args(cfg), online.scorer, packing=online.packing, val_scorer=online.val_scorer).fit()
     distributed.shutdown()

@@ -76,8 +76,9 @@ def reward_scorers(cfg, tokenizer, score: bool = True):
     r = cfg.reward
     scorer = None
     if score:
-        scorer = RewardScorer(resolve_reward_functions(list(r.functions)), list(r.weights) if r.weights is not None
-                              else None, workers=r.workers, url=r.url, remote_timeout_s=r.timeout_s, tokenizer=tokenizer)
+        weights = list(r.weights) if r.weights is not None else None
+        scorer = RewardScorer(resolve_reward_functions(list(r.functions)), weights, workers=r.workers, url=r.url,
+                              remote_timeout_s=r.timeout_s, tokenizer=tokenizer)
         scorer.wait_ready()
     val_scorer = RewardScorer(resolve_reward_functions(list(r.val_functions)), workers=1) if r.val_functions else None
     return scorer, val_scorer
