@@ -12,7 +12,22 @@ bench/rl_ppo.py: its configuration, what still differs, its step breakdown and t
 
     python bench/rl_vs_trl.py [--steps 30] [--threads 1] [--repeats 1] [--only CASE ...] [--out runs/bench-rl]
 
-Cases: trl_grpo aligner_grpo trl_rloo aligner_rloo aligner_rloo_kl_reward trl_ppo trl_ppo_nogc aligner_ppo.
+Cases: trl_grpo aligner_grpo trl_rloo aligner_rloo aligner_rloo_kl_reward trl_ppo trl_ppo_nogc aligner_ppo
+logits_long_prompts.
+
+`logits_long_prompts` (aligner alone, no TRL: bench/rl_logits_positions.py) is the step's two log-prob
+passes on this policy's shapes with 256-token prompts (16-token responses, 32 samples, one packed
+micro-batch), the output layer computed at the response positions only (what every aligner pass does)
+against the full logits, in the same process: the logits' MiB, the pass's peak of tensor memory and its
+CPU seconds, after / before; with the policy's vocabulary (512) and with 8192. Measured 2026-11-28 (a
+shared, busy machine; CPU seconds, median of 5), 512 of 8672 positions read:
+
+| vocab | pass | logits MiB | peak tensor MiB | CPU s |
+|---|---|---|---|---|
+| 512 | log-probs (forward) | 16.9 -> 1.0 (0.059x) | 87.9 -> 87.9 (1.00x: the MLP's peak) | 0.711 -> 0.644 (0.91x) |
+| 512 | policy loss (fwd + bwd) | 16.9 -> 1.0 (0.059x) | 487 -> 415 (0.85x) | 1.389 -> 1.382 (0.99x) |
+| 8192 | log-probs (forward) | 271 -> 16 (0.059x) | 816 -> 88 (0.11x) | 1.465 -> 0.597 (0.41x) |
+| 8192 | policy loss (fwd + bwd) | 271 -> 16 (0.059x) | 1759 -> 475 (0.27x) | 5.070 -> 1.588 (0.31x) |
 
 Method, environment and measurements as in bench/preference_vs_trl.py (whose helpers this uses): TRL
 runs in its own virtual environment (ALIGNER_TRL_PYTHON, default /tmp/trl-venv/bin/python) driving the
@@ -80,6 +95,7 @@ from bench.preference_vs_trl import (OFFLINE, TRL_BENCH_DIR, TRL_PYTHON, _busy_s
 TARGET = 3.0  # the issue's target: TRL's time per step over aligner's
 RUN = {"prompts_per_step": 8, "num_generations": 4, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0,
        "top_k": 0, "kl_beta": 0.04, "clip_eps": 0.2, "lr": 1e-5, "seed": 1234}  # the baseline's common.RUN
+LONG_PROMPTS = "logits_long_prompts"  # the output layer at the response positions only (bench/rl_logits_positions.py)
 PHASES = ("generate", "score", "score_wait", "logprobs", "reference", "train", "refit")  # aligner's timing/<phase>_s
 
 
@@ -441,10 +457,33 @@ def main() -> None:
         sys.exit(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    todo = {k: v for k, v in cases().items() if not args.only or k in args.only}
+    if todo:
+        compare(args, out, todo)
+    if not args.only or LONG_PROMPTS in args.only:
+        long_prompts(args.threads, out)
+
+
+def long_prompts(threads: int, out: Path) -> None:
+    """The `logits_long_prompts` case: bench/rl_logits_positions.py in a fresh process per vocabulary, the
+    policy's (512) and a larger one (8192, where the output layer weighs more); their tables, and their
+    numbers in <out>/logits_long_prompts.json."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    results = []
+    for vocab in (512, 8192):
+        cmd = [sys.executable, str(REPO / "bench" / "rl_logits_positions.py"), "--prompt-tokens", "256",
+               "--vocab", str(vocab), "--threads", str(threads), "--json"]
+        lines = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.splitlines()
+        results.append(json.loads(lines[-1]))
+        print("\n".join(lines[:-1]))
+    (out / f"{LONG_PROMPTS}.json").write_text(json.dumps(results, indent=1))
+
+
+def compare(args, out: Path, todo: dict) -> None:
+    """The cases against TRL: runs, summary, report and the floors."""
     if not Path(TRL_PYTHON).exists():
         sys.exit(f"no TRL interpreter at {TRL_PYTHON}; create the venv (see bench/preference_vs_trl.py's doc) "
                  "or set ALIGNER_TRL_PYTHON")
-    todo = {k: v for k, v in cases().items() if not args.only or k in args.only}
     if any(k.startswith("trl_ppo") for k in todo) and (why := rl_ppo.check_installed()):
         sys.exit(why)
     paths = prepare(out, args.threads)
