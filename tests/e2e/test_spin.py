@@ -38,8 +38,17 @@ def spin(assets, root, run_dir, *extra):
     return read_metrics(run_dir)
 
 
-def test_spin_iterations_reset_the_reference_and_move_towards_the_ground_truth(tiny_assets, weak_policy, tmp_path):
-    metrics = spin(tiny_assets, weak_policy, tmp_path / "run", f"trainer.max_steps={STEPS}")
+@pytest.fixture(scope="module")
+def straight(tiny_assets, weak_policy, tmp_path_factory):
+    """Three iterations in one process, uninterrupted: the run of the first test, and the reference of the
+    others, which compare their 8 steps (two iterations) with its first 8. Those equal an 8-step run's bitwise
+    (every metric but timings: the constant lr and the iterations do not depend on trainer.max_steps), so one
+    run serves both (there were two)."""
+    return spin(tiny_assets, weak_policy, tmp_path_factory.mktemp("straight"), f"trainer.max_steps={STEPS}")
+
+
+def test_spin_iterations_reset_the_reference_and_move_towards_the_ground_truth(straight):
+    metrics = straight
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert [m["spin/iteration"] for m in metrics] == [s // STEPS_PER_ITERATION for s in range(STEPS)]
     firsts = metrics[::STEPS_PER_ITERATION]
@@ -52,12 +61,6 @@ def test_spin_iterations_reset_the_reference_and_move_towards_the_ground_truth(t
     match, exact = [m["spin/gen_match"] for m in firsts], [m["spin/exact"] for m in firsts]
     print(f"SPIN greedy generations vs ground truth per iteration: token match {match}, identical {exact}")
     assert match[-1] > match[0] and exact[-1] > exact[0]
-
-
-@pytest.fixture(scope="module")
-def straight(tiny_assets, weak_policy, tmp_path_factory):
-    """Two iterations in one process, uninterrupted: the reference of the tests below."""
-    return spin(tiny_assets, weak_policy, tmp_path_factory.mktemp("straight"), "trainer.max_steps=8")
 
 
 def test_spin_resumes_inside_an_iteration_bitwise(tiny_assets, weak_policy, straight, tmp_path):
@@ -79,7 +82,7 @@ def test_spin_on_two_ranks_matches_one_process(tiny_assets, weak_policy, straigh
     """Generation split over data-parallel replicas (or tensor- / pipeline-parallel), then DPO: the same two
     iterations."""
     ours = spin(tiny_assets, weak_policy, tmp_path / "run", "trainer.max_steps=8", *layout)
-    assert len(ours) == len(straight) == 8
+    assert len(ours) == 8 and len(straight) == STEPS
     for a, b in zip(ours, straight):
         assert a.get("spin/gen_match") == b.get("spin/gen_match")
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
