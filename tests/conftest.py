@@ -23,6 +23,33 @@ def pytest_collection_modifyitems(items):
         tier = Path(item.fspath).parent.name
         if tier in TIERS:
             item.add_marker(tier)
+
+
+UNIT_BUDGET_S = 5.0  # a unit test slower than this belongs in tests/integration (or needs a smaller shape)
+_tier_seconds: dict[str, float] = {}
+_slow_units: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    """Seconds per tier (setup, call and teardown), and the unit tests over UNIT_BUDGET_S (the first test of a
+    session to import torch and megatron pays their import, ~3-6 s: reported, not failed)."""
+    tier = Path(report.fspath).parent.name
+    _tier_seconds[tier] = _tier_seconds.get(tier, 0.0) + report.duration
+    if tier == "unit" and report.when == "call" and report.duration > UNIT_BUDGET_S:
+        _slow_units.append((report.duration, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the suite's time went, so that it stays fast as tests are added (issue 33 item 5)."""
+    if not _tier_seconds:
+        return
+    terminalreporter.write_sep("-", "seconds per tier")
+    for tier, seconds in sorted(_tier_seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {tier}")
+    for seconds, nodeid in sorted(_slow_units, reverse=True):
+        terminalreporter.write_line(f"unit test over {UNIT_BUDGET_S:g} s ({seconds:.1f} s): {nodeid}")
+
+
 REWARDS = "tests.rl_reward_fixtures"  # reward functions for the RL tests (module:function)
 
 
