@@ -29,7 +29,7 @@ class _DisableJitFuserOnCpu(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            import torch
+            import torch  # not at module level: every `aligner` command imports this module, --help too
 
             if not torch.cuda.is_available():
                 module.disable_jit_fuser()

@@ -30,7 +30,7 @@ _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model"
 
 def load_tokenizer(path: str | Path):
     """Load the Hugging Face tokenizer saved in the local directory `path`; raises DataError naming `path`."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: deferred for the CLI (see the note above)
 
     if not Path(path).is_dir():
         what = "is not a directory" if Path(path).exists() else "does not exist"
@@ -62,6 +62,7 @@ def model_vocab_size(model_cfg, tokenizer, tokenizer_path) -> int:
 def build_tiny_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512) -> Path:
     """Train a byte-level BPE on `texts` (deterministic: same texts, same vocab and merges), save it as a
     Hugging Face tokenizer with the tiny chat template in `out_dir`, and return `out_dir`."""
+    # heavy: deferred for the CLI (see the note above)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -23,15 +23,18 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from aligner.config.schema import ModelConfig
 from aligner.errors import UserError
 from aligner.files import partial_path
 from aligner.models import checkpoint_keys
+from aligner.models.gpt import build_gpt
 from aligner.runtime import collectives
 
 log = logging.getLogger(__name__)
 
-# megatron is imported inside the functions: the CLI process reads checkpoint metadata before it
-# launches ranks, and importing megatron there costs seconds and prints its apex/TE warnings.
+# megatron is imported inside the functions: the CLI process imports this module before it launches ranks or
+# loads a model (`aligner serve`'s checks read checkpoint metadata; `aligner generate` and `aligner export` import
+# it before they parse their arguments), and importing megatron there costs seconds and prints apex/TE warnings.
 
 FORMAT_VERSION = 1
 
@@ -68,7 +71,7 @@ def _collect_write_results_in_process() -> None:
     interpreter per process (1.5-2.3 s on a 2-core box, for every run that saves). We save synchronously, so
     the queue is only written and read in this process (its forked writers report through their own local
     queue), and an in-process queue does the same job."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # megatron: see the note at the top
 
     if hasattr(filesystem_async, "_results_queue") and filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
@@ -79,7 +82,7 @@ def save_checkpoint(path, model, model_cfg, vocab_size: int, *, optimizer=None, 
                     extra_meta: dict | None = None) -> Path:
     """Collective: every rank calls it. Returns the published directory. `extra_meta` adds
     top-level entries to aligner.json (e.g. "hf": the imported model's HF architecture/config)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # megatron: see the note at the top
 
     _collect_write_results_in_process()
     path = Path(path)
@@ -145,7 +148,7 @@ def _load_checked(path, inner, sharded: dict, skipped: frozenset[str] = frozense
     a TE model may find its extra state absent, a model may leave the checkpoint's extra state and the
     `skipped` keys unread; any other mismatch is an error naming the keys. The optimizer's state is
     left to megatron's own checks."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # megatron: see the note at the top
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     te_names = checkpoint_keys.te_extra_state_names(inner)
@@ -183,7 +186,7 @@ def scalar_head_outputs(path) -> int | None:
         return None
     if "scalar_head" in meta:
         return int(meta["scalar_head"]["num_outputs"])
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # megatron: see the note at the top
 
     return int(dist_checkpointing.load_tensors_metadata(str(Path(path) / "weights"))["output_layer.weight"].shape[0])
 
@@ -211,7 +214,7 @@ def _materialise_distributed_optimizer_state(optimizer) -> None:
     current state, which torch's Adam only creates at its first step (apex/TE's fused Adam create it
     up front). Take that first step with lr = weight decay = 0 and zero gradients: it creates the
     state without changing any weight, and the checkpoint's state then replaces it."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # megatron: see the note at the top
 
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = part.optimizer
@@ -233,7 +236,7 @@ def _restore_adam_step(optimizer, loaded: dict) -> None:
     """The distributed optimizer's per-parameter state template also carries torch Adam's 0-d
     `step`, which the load leaves at the placeholder value and then copies over the step it had
     restored from the param groups; re-apply that step (Adam's bias correction depends on it)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # megatron: see the note at the top
 
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [loaded] if len(parts) == 1 else [loaded[k] for k in sorted(loaded)]
@@ -271,8 +274,6 @@ def load_training_state(path, model, optimizer) -> tuple[dict, dict | None]:
 
 def model_config_from_checkpoint(path, **parallel):
     """A ModelConfig (OmegaConf) for a checkpoint, with this run's parallel layout."""
-    from aligner.config.schema import ModelConfig
-
     meta = read_metadata(path)
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["model"], parallel)
     return cfg, meta["vocab_size"]
@@ -281,8 +282,6 @@ def model_config_from_checkpoint(path, **parallel):
 def load_language_model(path, **layout):
     """(GPTModel in eval mode, vocabulary size): checkpoint `path` built at `layout`'s parallel sizes
     (dist_checkpointing reshards the weights), for forward-only use. Seed megatron's RNG first."""
-    from aligner.models.gpt import build_gpt
-
     cfg, vocab = model_config_from_checkpoint(path, **layout)
     model = build_gpt(cfg, vocab)
     load_weights(path, model)

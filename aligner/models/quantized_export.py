@@ -40,8 +40,13 @@ from pathlib import Path
 
 import torch
 
+from aligner.data.jsonl import DataError, read_jsonl
+from aligner.data.prompts import tokenize_prompt
+from aligner.data.sft import adds_bos, encode_text, tokenize_record
+from aligner.data.tokenizer import load_tokenizer
 from aligner.errors import UsageError
 from aligner.files import partial_path
+from aligner.models.checkpoint import read_metadata
 from aligner.runtime.optional import require
 
 log = logging.getLogger(__name__)
@@ -105,10 +110,6 @@ def logit_error(reference: list[torch.Tensor], quantised: list[torch.Tensor]) ->
 def calibration_ids(path, tokenizer, max_length: int, size: int) -> list[list[int]]:
     """Token ids of the first `size` records of `path` (see the module doc), or of CALIBRATION_TEXTS
     when `path` is None; malformed records raise DataError(`path:line: ...`)."""
-    from aligner.data.jsonl import DataError, read_jsonl
-    from aligner.data.prompts import tokenize_prompt
-    from aligner.data.sft import adds_bos, encode_text, tokenize_record
-
     if path is None:
         bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
         return [(bos + encode_text(tokenizer, text))[:max_length] for text in CALIBRATION_TEXTS[:size]]
@@ -181,8 +182,7 @@ def quantize_checkpoint(ckpt, out, quantize: str, calib=None, *, calib_size: int
                         dtype: str = "bfloat16") -> ExportResult:
     """Quantise the language model in aligner checkpoint `ckpt` with ModelOpt and write the HF export to `out`
     (see the module doc). Returns what was written and the logit error of the fake-quantised model."""
-    from aligner.data.tokenizer import load_tokenizer
-    from aligner.models.checkpoint import read_metadata
+    # megatron (hf_convert): `aligner export` checks its arguments and the checkpoint before it pays for it
     from aligner.models.hf_convert import TOKENIZER_FILES, mcore_to_hf
 
     _check_format(quantize)
@@ -197,6 +197,7 @@ def quantize_checkpoint(ckpt, out, quantize: str, calib=None, *, calib_size: int
                          "pass a policy / SFT checkpoint")
     out = _fresh_out(out)
     require("modelopt")
+    # modelopt is optional (checked just above); transformers' model classes are heavy
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM

@@ -69,7 +69,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
 def install_fused_rope() -> None:
     """Route megatron's attention layers through `apply_rotary_pos_emb` (once per process)."""
     global _original
-    from megatron.core.transformer import attention
+    from megatron.core.transformer import attention  # megatron: see the note at the top
 
     if attention.apply_rotary_pos_emb is not apply_rotary_pos_emb:
         _original = attention.apply_rotary_pos_emb

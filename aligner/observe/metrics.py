@@ -28,7 +28,7 @@ class MetricsLog:
         self.file = open(self.path, "a")
         self.tb = None
         if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # torch: see the note above MetricsLog
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
         self.trackers = open_trackers(run_dir, cfg, resume_step, logged_through)

@@ -28,6 +28,8 @@ import math
 import re
 from pathlib import Path
 
+import yaml  # PyYAML, which omegaconf requires; config.yaml is OmegaConf.save's plain YAML
+
 from aligner.errors import ArgumentParser
 from aligner.files import atomic_write
 from aligner.observe import report_html
@@ -83,8 +85,6 @@ def read_config(run_dir: Path) -> tuple[dict, str]:
     path = run_dir / "config.yaml"
     if not path.is_file():
         return {}, ""
-    import yaml  # PyYAML, which omegaconf requires; config.yaml is OmegaConf.save's plain YAML
-
     text = path.read_text(errors="replace")
     try:
         config = yaml.safe_load(text)

@@ -22,6 +22,8 @@ import time
 import uuid
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trackers.json"
@@ -38,8 +40,6 @@ def _require(module: str, key: str, extra: str):
 def flatten(tree, prefix: str = "") -> dict:
     """{"a": {"b": 1}} -> {"a.b": 1}; an OmegaConf config is resolved first (enums as their names)."""
     if not isinstance(tree, dict):
-        from omegaconf import OmegaConf
-
         tree = OmegaConf.to_container(tree, resolve=True, enum_to_str=True)
     flat = {}
     for key, value in tree.items():
@@ -90,7 +90,7 @@ class MlflowTracker(Tracker):
 
     def __init__(self, c, run_dir: Path, config: dict, run_id: str | None):
         _require("mlflow", "logging.mlflow.tracking_uri", "mlflow")
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric, Param  # optional (aligner[mlflow]), required just above
         from mlflow.tracking import MlflowClient
 
         self.Metric = Metric

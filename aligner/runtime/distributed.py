@@ -12,8 +12,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
-from aligner.runtime import collectives, cpu_shims
+from aligner.observe.logs import configure_logging
+from aligner.runtime import collectives, cpu_shims, preemption
+from aligner.runtime.cpu_memory import keep_freed_memory
+from aligner.runtime.seeding import seed_everything
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,6 @@ def init_process_group(timeout_s: int = 600) -> ProcessInfo:
 
 
 def init_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1) -> None:
-    from megatron.core import parallel_state as ps
-
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     world = dist.get_world_size()
@@ -77,11 +79,6 @@ def start_training_rank(cfg) -> None:
     """Everything a rank of a training command sets up before it builds anything: the process
     group, CPU threads, the model-parallel groups of `cfg.model`, per-rank logging and seeds, and the
     SIGUSR1 handler that stops the run at a checkpoint (runtime/preemption.py)."""
-    from aligner.observe.logs import configure_logging
-    from aligner.runtime import preemption
-    from aligner.runtime.cpu_memory import keep_freed_memory
-    from aligner.runtime.seeding import seed_everything
-
     m = cfg.model
     preemption.install()
     init_process_group()
@@ -94,8 +91,6 @@ def start_training_rank(cfg) -> None:
 
 
 def shutdown() -> None:
-    from megatron.core import parallel_state as ps
-
     if dist.is_initialized():
         collectives.barrier()
         if ps.model_parallel_is_initialized():

@@ -93,7 +93,7 @@ def stop_agreed() -> bool:
     import torch  # not at module level: the stop request is taken before torch is imported
     import torch.distributed as dist
 
-    from aligner.runtime import collectives
+    from aligner.runtime import collectives  # imports torch
 
     local = _requested.is_set()
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -135,7 +135,7 @@ class EndpointClient:
     def _connection(self):
         if getattr(self._local, "client", None) is None:
             require("tritonclient")
-            import tritonclient.http as http
+            import tritonclient.http as http  # optional (aligner[serve]), required just above
 
             self._local.client = http.InferenceServerClient(self.where, connection_timeout=min(self.timeout_s, 10.0),
                                                             network_timeout=self.timeout_s)
@@ -151,6 +151,7 @@ class EndpointClient:
 
     def call(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Send one request; the outputs by name. Raises CallFailed."""
+        # optional (aligner[serve]; geventhttpclient comes with tritonclient); _connection required them
         import tritonclient.http as http
         from geventhttpclient.response import HTTPConnectionClosed
         from tritonclient.utils import InferenceServerException

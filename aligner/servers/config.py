@@ -38,7 +38,7 @@ def _checkpoint_meta(key: str, path) -> dict:
 def critic_checkpoints(checkpoints_dir) -> dict[int, Path]:
     """The complete critic checkpoints in `checkpoints_dir` by the actor step recorded inside each
     (`trainer_state.actor_step`, written by `critic_save`; directory names are not trusted)."""
-    from aligner.models.checkpoint import is_complete, read_metadata
+    from aligner.models.checkpoint import is_complete, read_metadata  # torch: `aligner serve` checks before launch
 
     root = Path(checkpoints_dir)
     found = {}

@@ -90,7 +90,7 @@ def _write_ready_file(path: Path, info: dict) -> None:
 
 
 def _tensors(specs):
-    from pytriton.model_config import Tensor
+    from pytriton.model_config import Tensor  # optional (aligner[serve])
 
     return [Tensor(name=s.name, dtype=s.dtype, shape=s.shape, optional=s.optional) for s in specs]
 
@@ -107,7 +107,7 @@ def serve_bindings(server, run_dir, bindings: list[Binding], stop: threading.Eve
     """Serve `bindings` until SIGTERM/SIGINT (or `stop` is set); blocks. Call from the main thread."""
     fix_libpython()
     require("pytriton")
-    from pytriton.model_config import DynamicBatcher, ModelConfig
+    from pytriton.model_config import DynamicBatcher, ModelConfig  # optional (aligner[serve]), required above
     from pytriton.triton import Triton, TritonConfig
 
     logging.getLogger("pytriton").setLevel(logging.WARNING)

@@ -17,7 +17,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from aligner.config import ConfigError
+from aligner.config import ConfigError, compose_config
+from aligner.config.validate import validate
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,8 @@ def first_host(nodelist: str) -> str:
 
 
 def plan(job_id: int, overrides: list[str], scontrol_lines: str, host_of=first_host) -> dict[str, list[str] | str]:
+    # ppo imports torch and megatron (seconds); this check runs before the job's ranks start
     from aligner.algorithms.online.ppo import embedded_overrides
-    from aligner.config import compose_config
-    from aligner.config.validate import validate
 
     components = parse_components(scontrol_lines)
     if len(components) != 2:
