@@ -24,20 +24,26 @@ otherwise); ALIGNER_DEBUG=1 shows the traceback too, which is always written und
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
 
 from aligner import errors
 from aligner.errors import ArgumentParser, UsageError
+from aligner.launch.local import RanksPreempted, launch
+from aligner.observe.logs import send_warnings_to_log, silence_expected_warnings, use_run_log_dir
+from aligner.runtime import preemption
 
-# algorithm -> module with `main(argv)` (a launched rank) and `run(cfg)` (in this process)
-TRAINERS = {"sft": "aligner.algorithms.shared.sft", "rm": "aligner.algorithms.preference.reward_model",
-            "dpo": "aligner.algorithms.preference.dpo", "orpo": "aligner.algorithms.preference.orpo", "simpo": "aligner.algorithms.preference.simpo",
-            "kto": "aligner.algorithms.preference.kto", "steerlm": "aligner.algorithms.preference.steerlm",
-            "spin": "aligner.algorithms.preference.spin", "grpo": "aligner.algorithms.online.grpo",
-            "reinforce": "aligner.algorithms.online.grpo", "ppo": "aligner.algorithms.online.ppo", "rs": "aligner.algorithms.online.rs",
-            "kd": "aligner.algorithms.distillation.kd"}
+# Each command imports what it runs (torch, megatron, hydra, transformers) inside its function, so that
+# `aligner --help` and a mistyped command answer in a fraction of a second: the `# why: deferred` imports.
+
+
+def algorithm_names() -> str:
+    """`aligner train`'s algorithms, from aligner/config/registry.py."""
+    from aligner.config.registry import ALGORITHMS  # why: deferred (hydra, ~0.3 s)
+
+    return ", ".join(ALGORITHMS)
 
 
 def _under_external_launcher() -> bool:
@@ -45,15 +51,14 @@ def _under_external_launcher() -> bool:
 
 
 def train(algorithm: str, overrides: list[str]) -> int:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # why: deferred (hydra, omegaconf)
 
     from aligner.config import load_config
-    from aligner.launch.local import RanksPreempted, launch
-    from aligner.runtime.preemption import EXIT_PREEMPTED, Preempted
+    from aligner.config.registry import ALGORITHMS
 
-    if algorithm not in TRAINERS:
+    if algorithm not in ALGORITHMS:
         raise UsageError(f"unknown algorithm '{algorithm}'", "aligner train <algorithm>",
-                         f"use one of {', '.join(TRAINERS)}")
+                         f"use one of {algorithm_names()}")
     cfg = load_config(algorithm, overrides)
     _use_log_dir(Path(cfg.run_dir) / "logs")
     _check_paths(cfg)
@@ -65,37 +70,33 @@ def train(algorithm: str, overrides: list[str]) -> int:
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, config_path)
-    module = TRAINERS[algorithm]
+    module = ALGORITHMS[algorithm].entry
     # torchrun / srun started every rank, or a single rank: run here with the config composed above.
     # A run stopped on SIGUSR1 (runtime/preemption.py) exits with EXIT_PREEMPTED: slurm/train.sbatch requeues it.
     try:
         if _under_external_launcher() or cfg.launcher.nproc_per_node == 1:
-            import importlib
-
             importlib.import_module(module).run(cfg)
         else:
             launch(f"{module}:main", [str(config_path)], cfg.launcher.nproc_per_node, run_dir / "logs",
                    cfg.launcher.master_port, cfg.launcher.threads_per_rank)
-    except (Preempted, RanksPreempted) as e:
+    except (preemption.Preempted, RanksPreempted) as e:
         print(f"aligner train {algorithm}: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return preemption.EXIT_PREEMPTED
     return 0
 
 
 def _use_log_dir(log_dir: Path) -> None:
     """Tracebacks and dependencies' warnings of this run go to its logs/ (aligner/errors.py, observe/logs.py)."""
-    from aligner.observe.logs import use_run_log_dir
-
     errors.set_log_dir(log_dir)
     use_run_log_dir(log_dir)
 
 
 def _check_memory(algorithm: str, cfg) -> None:
     """On a GPU host, the planner's memory check (aligner/plan) before any rank starts."""
-    import torch
+    import torch  # why: deferred (torch)
 
     if torch.cuda.is_available():
-        from aligner.config.load import expected_world_size
+        from aligner.config.load import expected_world_size  # why: deferred (hydra)
         from aligner.plan.cli import preflight
 
         preflight(algorithm, cfg, expected_world_size(cfg), int(os.environ.get("SLURM_NNODES", "1")))
@@ -111,7 +112,7 @@ def _check_paths(cfg) -> None:
 def _check_rl_inputs(cfg) -> None:
     """Online RL: the reward functions load and every prompt record is valid, before any rank starts
     (a ValueError names the function, or the file:line and what is expected)."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # why: deferred (omegaconf, torch, transformers, sympy)
 
     from aligner.data.prompts import load_prompt_dataset
     from aligner.data.tokenizer import load_tokenizer
@@ -141,7 +142,7 @@ def convert(argv: list[str]) -> int:
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
-    from aligner.models import hf_convert
+    from aligner.models import hf_convert  # why: deferred (torch)
 
     if args.direction == "hf-to-mcore":
         hf_convert.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp)
@@ -162,7 +163,7 @@ def logprobs(argv: list[str]) -> int:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
-    from aligner.models.scoring import score_logprobs
+    from aligner.models.scoring import score_logprobs  # why: deferred (torch, megatron)
 
     score_logprobs(args.model, args.data, args.out, tokenizer_path=args.tokenizer, tp=args.tp, pp=args.pp,
                    batch_size=args.batch_size)
@@ -170,31 +171,31 @@ def logprobs(argv: list[str]) -> int:
 
 
 def generate(argv: list[str]) -> int:
-    from aligner.generation.cli import generate_main
+    from aligner.generation.cli import generate_main  # why: deferred (torch)
 
     return generate_main(argv)
 
 
 def rs_generate(argv: list[str]) -> int:
-    from aligner.algorithms.online.rs_generate import rs_generate_main
+    from aligner.algorithms.online.rs_generate import rs_generate_main  # why: deferred (torch, megatron)
 
     return rs_generate_main(argv)
 
 
 def teacher_logits(argv: list[str]) -> int:
-    from aligner.algorithms.distillation.teacher_logits import main as write_teacher_logits
+    from aligner.algorithms.distillation.teacher_logits import main as write_teacher_logits  # why: deferred (torch)
 
     return write_teacher_logits(argv)
 
 
 def plan(argv: list[str]) -> int:
-    from aligner.plan.cli import main as plan_main
+    from aligner.plan.cli import main as plan_main  # why: deferred (hydra)
 
     return plan_main(argv)
 
 
 def export(argv: list[str]) -> int:
-    from aligner.models.quantized_export import main as export_main
+    from aligner.models.quantized_export import main as export_main  # why: deferred (torch)
 
     return export_main(argv)
 
@@ -208,7 +209,7 @@ def label_attributes(argv: list[str]) -> int:
     parser.add_argument("--scale", type=int, default=4, help="values are rounded and clipped to [0, scale]")
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args(argv)
-    from aligner.algorithms.preference.steerlm import label_attributes as label
+    from aligner.algorithms.preference.steerlm import label_attributes as label  # why: deferred (torch, megatron)
 
     out = label(args.rm, args.data, args.out, scale=args.scale, batch_size=args.batch_size)
     print(f"wrote {out}")
@@ -223,21 +224,17 @@ def serve(argv: list[str]) -> int:
     """`aligner serve <kind> [overrides]`: one process, or the launcher's ranks for a parallel model.
     Runs until SIGTERM/SIGINT; SIGUSR1 (Slurm's time-limit warning for training ranks) is caught and
     ignored."""
-    import importlib
-
-    from omegaconf import OmegaConf
-
-    from aligner.launch.local import launch
+    from omegaconf import OmegaConf  # why: deferred (omegaconf)
 
     if not argv or argv[0] not in SERVERS:
         raise UsageError(f"expected a server kind, got {argv[0] if argv else 'nothing'!r}", "aligner serve <kind>",
                          f"use one of {', '.join(SERVERS)}")
     kind, overrides = argv[0], argv[1:]
-    from aligner.servers.config import load_serve_config
+    from aligner.servers.config import load_serve_config  # why: deferred (hydra)
 
     cfg = load_serve_config(kind, overrides)
     _use_log_dir(Path(cfg.run_dir) / "logs")
-    from aligner.servers.triton import check_ports_free, ports
+    from aligner.servers.triton import check_ports_free, ports  # why: deferred (numpy)
 
     check_ports_free(cfg.server.host, ports(cfg.server))  # fail before loading a model; serving checks again
     run_dir = Path(cfg.run_dir)
@@ -258,10 +255,10 @@ def serve(argv: list[str]) -> int:
 def doctor(argv: list[str]) -> int:
     """`aligner doctor`: what this host can run; `aligner doctor RUN_DIR ...`: a run's failure symptoms."""
     if argv:
-        from aligner.observe.doctor import main as diagnose_runs
+        from aligner.observe.doctor import main as diagnose_runs  # why: deferred (yaml)
 
         return diagnose_runs(argv)
-    import torch
+    import torch  # why: deferred (torch)
 
     from aligner.runtime.optional import report
 
@@ -272,7 +269,7 @@ def doctor(argv: list[str]) -> int:
 
 
 def report(argv: list[str]) -> int:
-    from aligner.observe.report import main as write_report
+    from aligner.observe.report import main as write_report  # why: deferred (hydra, tqdm)
 
     return write_report(argv)
 
@@ -290,7 +287,7 @@ def dispatch(argv: list[str]) -> int:
     if command == "train":
         if not rest:
             raise UsageError("expected an algorithm", "aligner train <algorithm> [overrides]",
-                             f"use one of {', '.join(TRAINERS)}")
+                             f"use one of {algorithm_names()}")
         return train(rest[0], rest[1:])
     if command not in HANDLERS:
         raise UsageError(f"unknown command '{command}'", "aligner <command>",
@@ -301,11 +298,7 @@ def dispatch(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("train", "serve"):  # before the heavy imports (runtime/preemption.py)
-        from aligner.runtime import preemption
-
         preemption.install()
-    from aligner.observe.logs import send_warnings_to_log, silence_expected_warnings
-
     silence_expected_warnings()
     send_warnings_to_log()  # the run's logs/ once a command knows its run directory
     try:

@@ -47,6 +47,10 @@ class UsageError(UserError):
     exit_code = EXIT_USAGE
 
 
+class ConfigError(UsageError, ValueError):
+    """A config that cannot run: unknown key, wrong type, missing value or conflicting values."""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose mistakes are one `error:` line (exit code 2), like every other usage error."""
 

@@ -4,7 +4,7 @@
 
 composes the config as `aligner train` does, then starts its ranks with the embedded launcher. Each rank
 (`rank`) starts torch's profiler with memory recording just before megatron builds the first GPTModel,
-runs the algorithm's own trainer (`aligner.cli.TRAINERS`) to its last step, stops the profiler and writes
+runs the algorithm's own trainer (`aligner.config.registry.ALGORITHMS`) to its last step, stops the profiler and writes
 OUT_DIR/rank_<RANK>.json:
 
 * `tensor_peak`: the peak of CPU tensor bytes allocated since the profiler started and not yet freed.
@@ -59,7 +59,7 @@ def rank(argv: list[str]) -> None:
     import torch
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from aligner.cli import TRAINERS
+    from aligner.config.registry import ALGORITHMS
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     state: dict = {}
@@ -72,7 +72,7 @@ def rank(argv: list[str]) -> None:
         build(self, *args, **kwargs)
 
     GPTModel.__init__ = profiled_build
-    importlib.import_module(TRAINERS[algorithm]).main([config_path])
+    importlib.import_module(ALGORITHMS[algorithm].entry).main([config_path])
     prof.stop()
     rss_peak = _status_bytes("VmHWM")
     peak, count, where = allocation_peak(prof)

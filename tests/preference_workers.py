@@ -33,7 +33,7 @@ METRICS = {"dpo": ("loss", "loss/preference", "loss/sft", "accuracy", "reward/ch
 
 
 def make_config(workdir: Path, tokenizer: str, algorithm: str, packed: bool, mode: str, layout: dict):
-    from aligner.config.schema import DPORunConfig, KTORunConfig
+    from aligner.config.preference_schema import DPORunConfig, KTORunConfig
 
     cfg = OmegaConf.structured(DPORunConfig if algorithm == "dpo" else KTORunConfig)
     cfg.run_dir = str(workdir / f"run_{algorithm}_{mode}")

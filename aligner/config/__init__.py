@@ -1,8 +1,8 @@
-"""Typed Hydra configuration: dataclass schemas, strict loading and cross-field validation."""
+"""Typed Hydra configuration: dataclass schemas, strict loading and cross-field validation; the registry of
+algorithms (registry.py)."""
 from aligner.config.load import compose_config, load_config, load_resolved
 from aligner.config.schema import (DataConfig, LauncherConfig, LoggingConfig, ModelConfig, OptimConfig, SFTRunConfig,
                                    TokenizerConfig, TrainerConfig)
-from aligner.config.validate import ConfigError
 
-__all__ = ["ConfigError", "compose_config", "load_config", "load_resolved", "DataConfig", "LauncherConfig", "LoggingConfig",
+__all__ = ["compose_config", "load_config", "load_resolved", "DataConfig", "LauncherConfig", "LoggingConfig",
            "ModelConfig", "OptimConfig", "SFTRunConfig", "TokenizerConfig", "TrainerConfig"]

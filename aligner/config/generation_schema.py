@@ -1,8 +1,12 @@
-"""`generation.backend`: which engine generates, for every command that does (aligner/generation/backends.py)."""
+"""`generation.backend`: which engine generates, for every command that does (aligner/generation/backends.py),
+and its one rule: the engine is installed here."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from enum import StrEnum
+
+from aligner.errors import ConfigError
 
 
 class GenerationEngine(StrEnum):
@@ -13,3 +17,16 @@ class GenerationEngine(StrEnum):
 @dataclass
 class GenerationBackendConfig:
     backend: GenerationEngine = GenerationEngine.megatron
+
+
+def validate_generation_backend(backend: str, check_refit: bool = False) -> None:
+    """generation.backend=trtllm needs TensorRT-LLM on this host (looked up, not imported: importing it costs
+    seconds and touches the GPU; the ranks import it through aligner.runtime.optional.require)."""
+    if backend == "trtllm":
+        if importlib.util.find_spec("tensorrt_llm") is None:
+            raise ConfigError("generation.backend=trtllm needs TensorRT-LLM (the tensorrt_llm package), which is not "
+                              "installed here: run on the GPU image built from the Dockerfile (TensorRT-LLM's release "
+                              "container; not installable from PyPI), or use generation.backend=megatron")
+        if check_refit:
+            raise ConfigError("generation.check_refit compares the megatron engine's weights with the trainer's; "
+                              "TensorRT-LLM holds its own copy: set generation.check_refit=false")

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from aligner.config.schema import TrainRunConfig
-from aligner.config.validate import ConfigError
-from aligner.errors import UserError
+from aligner.errors import ConfigError, UserError
 
 
 class KDLoss(StrEnum):

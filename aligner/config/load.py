@@ -16,9 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from aligner import CONF_DIR
-from aligner.config.commands import COMMANDS
-from aligner.config.validate import ConfigError, validate
-from aligner.errors import UserError
+from aligner.config.registry import COMMAND_CONFIGS
+from aligner.config.validate import validate
+from aligner.errors import ConfigError, UserError
 
 
 def _summary(error: BaseException) -> str:
@@ -45,7 +45,7 @@ def _schema_merge(schema, *configs) -> DictConfig:
 def _register_schemas() -> None:
     """Make each command's dataclass the base of its YAML (`defaults: [<name>_schema, ...]`), so
     Hydra itself type-checks every override against the schema."""
-    for name, schema in COMMANDS.values():
+    for name, schema in COMMAND_CONFIGS.values():
         ConfigStore.instance().store(name=f"{name}_schema", node=schema)
 
 
@@ -53,9 +53,9 @@ def compose_config(command: str, overrides: list[str]) -> DictConfig:
     """Compose `conf/<command>.yaml` + overrides, type-check against the schema and resolve
     (interpolations frozen). Cross-field checks are the caller's: `load_config` for training
     commands, `aligner.servers.config` for servers."""
-    if command not in COMMANDS:
-        raise ConfigError(f"unknown command '{command}'; expected one of {sorted(COMMANDS)}")
-    name, schema = COMMANDS[command]
+    if command not in COMMAND_CONFIGS:
+        raise ConfigError(f"unknown command '{command}'; expected one of {sorted(COMMAND_CONFIGS)}")
+    name, schema = COMMAND_CONFIGS[command]
     _register_schemas()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
@@ -74,7 +74,7 @@ def compose_config(command: str, overrides: list[str]) -> DictConfig:
 def load_config(command: str, overrides: list[str], world_size: int | None = None) -> DictConfig:
     """Compose, type-check, resolve and validate a training command's config."""
     cfg = compose_config(command, overrides)
-    validate(cfg, world_size if world_size is not None else expected_world_size(cfg))
+    validate(cfg, world_size if world_size is not None else expected_world_size(cfg), command)
     return cfg
 
 
@@ -97,7 +97,7 @@ def _adopt_checkpoint_architecture(cfg) -> None:
 
 def load_resolved(path: str | Path, command: str = "sft") -> DictConfig:
     """Re-load a resolved `config.yaml` written by `load_config` (what every rank reads)."""
-    _, schema = COMMANDS[command]
+    _, schema = COMMAND_CONFIGS[command]
     return _schema_merge(schema, OmegaConf.load(path))
 
 

@@ -1,4 +1,6 @@
-"""Schemas of the online-RL commands (`aligner train grpo`, `aligner train reinforce`, `aligner train ppo`)."""
+"""Schemas and cross-field rules of the online-RL commands (`aligner train grpo`, `aligner train reinforce`,
+`aligner train ppo`). Each `validate_<name>(cfg)` runs after the rules every training run shares
+(config/validate.py); config/registry.py names which one each command runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,9 +9,10 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from aligner.config.generation_schema import GenerationBackendConfig
+from aligner.config.generation_schema import GenerationBackendConfig, validate_generation_backend
 from aligner.config.schema import (CriticTrainConfig, LauncherConfig, OptimConfig, ReferenceConfig,
                                    ServeParallelConfig, TrainRunConfig)
+from aligner.errors import ConfigError
 
 
 class PromptOverlong(StrEnum):
@@ -173,7 +176,6 @@ class RLRunConfig(TrainRunConfig):
     reward: RewardConfig = field(default_factory=RewardConfig)
 
 
-
 # ---- PPO (`aligner train ppo`, algorithms/online/ppo_trainer.py) ---------------------------------------------------
 @dataclass
 class ScoreConfig:
@@ -220,3 +222,122 @@ class PPORunConfig(RLRunConfig):
     run_dir: str = "runs/ppo"
     algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)  # type: ignore[assignment]
     critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
+
+
+def validate_rl(cfg) -> None:
+    """`aligner train grpo` and `aligner train reinforce`."""
+    _validate_online(cfg, ppo=False)
+
+
+def validate_ppo(cfg) -> None:
+    """`aligner train ppo`: the online-RL rules, with the critic service's and PPO's own in their midst."""
+    _validate_online(cfg, ppo=True)
+
+
+def _validate_online(cfg, ppo: bool) -> None:
+    a, t, s = cfg.algorithm, cfg.trainer, cfg.sampling
+    if a.num_generations < 1 or a.prompts_per_step < 1 or a.ppo_epochs < 1:
+        raise ConfigError("algorithm.num_generations, algorithm.prompts_per_step and algorithm.ppo_epochs must be >= 1")
+    if ppo != (a.advantage == "gae"):
+        raise ConfigError("algorithm.advantage=gae needs a critic: use `aligner train ppo`" if not ppo else
+                          f"aligner train ppo takes its advantages from the critic (algorithm.advantage=gae), not "
+                          f"{a.advantage}")
+    if ppo:
+        _validate_critic(cfg)
+    elif cfg.reward.checkpoint:
+        raise ConfigError("reward.checkpoint is served by PPO's critic service; for GRPO serve the reward model "
+                          "(`aligner serve reward checkpoint=...`) and set reward.url=host:port")
+    if a.num_generations < 2 and a.advantage not in ("reinforce_pp", "gae"):
+        raise ConfigError(f"algorithm.advantage={a.advantage} compares the samples of a prompt's group: set "
+                          f"algorithm.num_generations >= 2 (or use algorithm.advantage=reinforce_pp)")
+    samples = a.prompts_per_step * a.num_generations
+    if samples % t.global_batch_size:
+        raise ConfigError(f"a step generates algorithm.prompts_per_step x num_generations = {samples} samples, which "
+                          f"does not split into optimizer steps of trainer.global_batch_size={t.global_batch_size}; "
+                          f"use a divisor of {samples}")
+    if cfg.data.max_length + s.max_new_tokens > cfg.model.seq_length:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} (prompt) + sampling.max_new_tokens="
+                          f"{s.max_new_tokens} exceed model.seq_length={cfg.model.seq_length}")
+    if s.max_new_tokens < 1 or s.temperature <= 0:
+        raise ConfigError("sampling.max_new_tokens must be >= 1 and sampling.temperature > 0 (RL samples)")
+    if cfg.model.context_parallel_size > 1:
+        raise ConfigError("online RL generates with the training model, and generation does not run under context "
+                          "parallelism: set model.context_parallel_size=1")
+    if cfg.reference.mode == "precompute":
+        raise ConfigError("reference.mode=precompute does not apply to online RL (new samples every step); use "
+                          "reference.mode=model or cpu_swap")
+    if a.kl.coef < 0:
+        raise ConfigError(f"algorithm.kl.coef must be >= 0, got {a.kl.coef}")
+    if a.clip_low <= 0 or (a.clip_high is not None and a.clip_high <= 0):
+        raise ConfigError("algorithm.clip_low and algorithm.clip_high must be > 0")
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algorithm.dual_clip must be > 1 (it caps the loss of negative advantages at "
+                          f"dual_clip x |A|), got {a.dual_clip}")
+    if a.importance_sampling.cap <= 0:
+        raise ConfigError("algorithm.importance_sampling.cap must be > 0")
+    if a.old_logprobs == "engine" and a.importance_sampling.level != "none":
+        raise ConfigError(f"algorithm.importance_sampling.level={a.importance_sampling.level} weighs the trainer's "
+                          f"log-probs against the engine's, but algorithm.old_logprobs=engine uses the engine's as "
+                          f"the trainer's (every weight would be 1): set algorithm.old_logprobs=trainer")
+    if a.dynamic_sampling.max_refills < 0:
+        raise ConfigError("algorithm.dynamic_sampling.max_refills must be >= 0")
+    if not 0 <= a.overlong.buffer < s.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong.buffer must be in [0, sampling.max_new_tokens={s.max_new_tokens})")
+    if a.baseline_ended_only and a.advantage not in ("grpo", "dr_grpo", "rloo"):
+        raise ConfigError("algorithm.baseline_ended_only applies to the group baselines grpo, dr_grpo and rloo")
+    r = cfg.reward
+    if not (r.functions or r.url or r.get("checkpoint")):
+        raise ConfigError("no reward: set reward.functions=[name or package.module:function, ...] and/or "
+                          "reward.url=host:port of a reward or verifier server"
+                          + (" or reward.checkpoint=RM_DIR (served with the critic)" if ppo else ""))
+    if r.weights is not None and len(r.weights) != len(r.functions):
+        raise ConfigError(f"reward.weights has {len(r.weights)} entries for {len(r.functions)} reward.functions")
+    if r.workers < 1:
+        raise ConfigError("reward.workers must be >= 1")
+    if cfg.generation.batch_size < 1:
+        raise ConfigError("generation.batch_size must be >= 1")
+    validate_generation_backend(cfg.generation.backend, cfg.generation.check_refit)
+
+
+def _validate_critic(cfg) -> None:
+    """The critic service and PPO's own options."""
+    a, c = cfg.algorithm, cfg.critic
+    if a.dynamic_sampling.enabled:
+        raise ConfigError("algorithm.dynamic_sampling drops groups of equal rewards (GRPO); PPO has no groups")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
+        raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {a.gamma} and {a.lam}")
+    if a.critic_warmup_steps < 0 or a.critic_warmup_steps >= cfg.trainer.max_steps:
+        raise ConfigError(f"algorithm.critic_warmup_steps={a.critic_warmup_steps} must be in [0, trainer.max_steps="
+                          f"{cfg.trainer.max_steps})")
+    if a.kl.mode == "loss":
+        raise ConfigError("PPO puts the KL into the token rewards (algorithm.kl.mode=reward) or leaves it out (none)")
+    if a.scores.clip is not None and a.scores.clip <= 0:
+        raise ConfigError(f"algorithm.scores.clip must be > 0, got {a.scores.clip}")
+    if min(c.timeout_s, c.startup_timeout_s, c.save_timeout_s) <= 0:
+        raise ConfigError("critic.timeout_s, critic.startup_timeout_s and critic.save_timeout_s must be > 0")
+    if c.url is None:
+        if c.checkpoint is None and cfg.reward.checkpoint is None:
+            raise ConfigError("the embedded critic needs initial weights: set reward.checkpoint=RM_DIR (the critic "
+                              "starts from the reward model) or critic.checkpoint=DIR")
+        mp = c.parallel.tensor_model_parallel_size * c.parallel.pipeline_model_parallel_size
+        if mp < 1 or c.launcher.nproc_per_node % mp:
+            raise ConfigError(f"critic.launcher.nproc_per_node={c.launcher.nproc_per_node} is not a multiple of "
+                              f"critic.parallel tensor x pipeline_model_parallel_size = {mp} (by default the "
+                              f"model's layout); set critic.launcher.nproc_per_node={max(mp, 1)} or a smaller "
+                              f"critic.parallel.*")
+        m, ctp, cpp = cfg.model, c.parallel.tensor_model_parallel_size, c.parallel.pipeline_model_parallel_size
+        groups = m.num_query_groups or m.num_attention_heads
+        if m.num_attention_heads % ctp or groups % ctp:
+            raise ConfigError(f"critic.parallel.tensor_model_parallel_size={ctp} does not divide the model's "
+                              f"{m.num_attention_heads} attention heads and {groups} query groups")
+        if m.num_layers % cpp:
+            raise ConfigError(f"critic.parallel.pipeline_model_parallel_size={cpp} does not divide the model's "
+                              f"{m.num_layers} layers")
+    else:  # reward.checkpoint then names the reward model the running service co-hosts (it scores)
+        _host_port("critic.url", c.url)
+
+
+def _host_port(key: str, value: str) -> None:
+    host, _, port = str(value).rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{key} must be host:port, got {value!r}")

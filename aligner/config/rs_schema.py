@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from aligner.config.generation_schema import validate_generation_backend
 from aligner.config.rl_schema import PromptDataConfig, RewardConfig, RLGenerationConfig, RLSamplingConfig
 from aligner.config.schema import TrainRunConfig
-from aligner.config.validate import ConfigError, validate_generation_backend
+from aligner.errors import ConfigError
 
 
 @dataclass

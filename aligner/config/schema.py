@@ -1,4 +1,6 @@
-"""Dataclass schemas for every config group. OmegaConf enforces field names and types from these.
+"""Dataclass schemas of the groups every training run shares (model, data, optim, ...; their rules:
+config/validate.py), of SFT, of the reference model and of the servers. OmegaConf enforces field names and
+types from these. Each algorithm family's own groups and rules are in its <family>_schema.py.
 
 Defaults here are the built-in tiny CPU example; YAML files under `conf/` override them.
 Derived values are interpolations (`${model.seq_length}`), never repeated numbers.
@@ -10,8 +12,6 @@ from enum import StrEnum
 from typing import Optional
 
 from omegaconf import MISSING
-
-from aligner.config.generation_schema import GenerationBackendConfig
 
 
 class ParamsDtype(StrEnum):
@@ -193,38 +193,19 @@ class SFTRunConfig(TrainRunConfig):
     data: PackableDataConfig = field(default_factory=PackableDataConfig)
 
 
-@dataclass
-class SteerLMConfig:
-    attributes: list[str] = MISSING  # the condition's attributes, in this order (saved with each checkpoint)
-    scale: int = 4  # values are integers in [0, scale] (HelpSteer: 0..4)
+# ---- the reference model of preference optimisation and online RL (aligner/algorithms/shared/reference.py) ---
+class ReferenceMode(StrEnum):
+    model = "model"  # a second frozen model with the policy's layout
+    cpu_swap = "cpu_swap"  # reference weights in CPU memory, copied into the policy for its forward
+    precompute = "precompute"  # log-probs computed once before training, cached in <run_dir>/reference
 
 
 @dataclass
-class SteerLMRunConfig(SFTRunConfig):
-    run_dir: str = "runs/steerlm"
-    steerlm: SteerLMConfig = field(default_factory=SteerLMConfig)
+class ReferenceConfig:
+    mode: ReferenceMode = ReferenceMode.model
 
 
-class RMLoss(StrEnum):
-    bt = "bt"  # Bradley-Terry on (chosen, rejected) pairs
-    margin_bt = "margin_bt"  # Bradley-Terry with each pair's "margin" subtracted from the reward gap
-    regression = "regression"  # masked MSE on per-attribute labels (HelpSteer / SteerLM)
-
-
-@dataclass
-class RewardModelConfig:
-    loss: RMLoss = RMLoss.bt
-    attributes: list[str] = field(default_factory=list)  # regression: one head output per attribute
-    center_coef: float = 0.0  # pairs: + coef * (r_chosen + r_rejected)^2, each prompt's rewards centred on 0
-
-
-@dataclass
-class RMRunConfig(TrainRunConfig):
-    run_dir: str = "runs/rm"
-    data: PackableDataConfig = field(default_factory=PackableDataConfig)
-    rm: RewardModelConfig = field(default_factory=RewardModelConfig)
-
-
+# ---- servers (`aligner serve`; their rules: aligner/servers/config.py) ----------------------------------------------
 @dataclass
 class ServerConfig:
     """How a PyTriton server (aligner/servers) listens and batches."""
@@ -303,110 +284,3 @@ class VerifierServeConfig:
     tokenizer: Optional[str] = None  # to decode token-id requests; text requests need none
     run_dir: str = "runs/serve_verifier"
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=5570))
-
-
-# ---- preference optimisation (aligner/algorithms/shared/sequence_trainer.py) ----------------------------------------
-@dataclass
-class PreferenceDataConfig(PackableDataConfig):
-    overlong: Overlong = Overlong.drop  # truncate keeps the start; needs a response token left
-
-
-class ReferenceMode(StrEnum):
-    model = "model"  # a second frozen model with the policy's layout
-    cpu_swap = "cpu_swap"  # reference weights in CPU memory, copied into the policy for its forward
-    precompute = "precompute"  # log-probs computed once before training, cached in <run_dir>/reference
-
-
-@dataclass
-class ReferenceConfig:
-    mode: ReferenceMode = ReferenceMode.model
-
-
-class DPOLossType(StrEnum):
-    sigmoid = "sigmoid"  # DPO; with label_smoothing: conservative DPO (cDPO)
-    robust = "robust"  # robust DPO under label noise label_smoothing
-    hinge = "hinge"  # SLiC
-    ipo = "ipo"  # (delta - 1/(2 beta))^2 on the summed (or averaged) log-ratios
-    rpo_sq = "rpo_sq"  # reward-aware (NeMo-Aligner): needs chosen_reward / rejected_reward in the data
-    rpo_fwd_kl = "rpo_fwd_kl"
-    rpo_bwd_kl = "rpo_bwd_kl"
-
-
-@dataclass
-class DPOConfig:
-    beta: float = 0.1  # KL penalty (the implicit reward is beta * log-ratio)
-    loss_type: DPOLossType = DPOLossType.sigmoid
-    label_smoothing: float = 0.0  # sigmoid / robust: assumed label-flip probability, in [0, 0.5)
-    average_logprobs: bool = False  # length-average the response log-probs (else sum)
-    reward_scale: float = 1.0  # rpo_*: scale of the data's reward difference
-    sft_weight: float = 0.0  # weight of an NLL term on the chosen response
-
-
-@dataclass
-class DPORunConfig(TrainRunConfig):
-    run_dir: str = "runs/dpo"
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-
-
-@dataclass
-class SPINConfig:
-    steps_per_iteration: int = 10  # DPO steps on one iteration's pairs; trainer.max_steps sets the iterations
-    greedy: bool = False  # the policy's generations: greedy, or sampled with temperature / top_p
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    seed: int = 0
-    generation_batch_size: int = 32  # prompts per generate call on each data-parallel replica
-
-
-@dataclass
-class SPINRunConfig(TrainRunConfig):
-    run_dir: str = "runs/spin"
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    spin: SPINConfig = field(default_factory=SPINConfig)
-    generation: GenerationBackendConfig = field(default_factory=GenerationBackendConfig)
-
-
-@dataclass
-class ORPOConfig:
-    odds_ratio_weight: float = 0.1  # lambda: weight of the odds-ratio term next to the chosen NLL
-
-
-@dataclass
-class ORPORunConfig(TrainRunConfig):
-    run_dir: str = "runs/orpo"
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    orpo: ORPOConfig = field(default_factory=ORPOConfig)
-
-
-@dataclass
-class SimPOConfig:
-    beta: float = 2.0  # reward scale on the length-averaged log-probs
-    gamma: float = 1.0  # target reward margin (absolute, not gamma / beta)
-    label_smoothing: float = 0.0
-
-
-@dataclass
-class SimPORunConfig(TrainRunConfig):
-    run_dir: str = "runs/simpo"
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    simpo: SimPOConfig = field(default_factory=SimPOConfig)
-
-
-@dataclass
-class KTOConfig:
-    beta: float = 0.1
-    desirable_weight: float = 1.0  # lambda_D
-    undesirable_weight: float = 1.0  # lambda_U
-
-
-@dataclass
-class KTORunConfig(TrainRunConfig):
-    run_dir: str = "runs/kto"
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    kto: KTOConfig = field(default_factory=KTOConfig)
-

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from aligner import errors
-from aligner.config.validate import validate_generation_backend
+from aligner.config.generation_schema import validate_generation_backend
 from aligner.data.jsonl import read_token_sequences
 from aligner.data.steerlm import condition_ids, insert_condition, parse_condition
 from aligner.data.tokenizer import load_tokenizer

@@ -6,10 +6,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from aligner.config.registry import algorithms_of
 from aligner.errors import UserError
-
-# the config groups that tell which command wrote a run, checked in this order (PPO also has `algorithm`)
-ALGORITHM_GROUPS = ["critic", "spin", "steerlm", "rm", "dpo", "orpo", "simpo", "kto"]
 
 
 class ReportError(UserError):
@@ -44,11 +42,13 @@ class Run:
         return max((row["step"] for row in self.rows), default=0)
 
     def algorithm(self) -> str:
-        for group in ALGORITHM_GROUPS:
-            if group in self.config:
-                return "ppo" if group == "critic" else group
-        advantage = self.config.get("algorithm", {}).get("advantage") if self.config else None
-        return str(advantage) if advantage else ("sft" if self.config else "unknown (no config.yaml)")
+        """The algorithm whose config the run saved; grpo's and reinforce's are one schema: their advantage."""
+        if not self.config:
+            return "unknown (no config.yaml)"
+        names = algorithms_of(self.config)
+        if len(names) == 1:
+            return names[0]
+        return str(self.config.get("algorithm", {}).get("advantage") or " or ".join(names))
 
     def latest_checkpoint(self) -> str:
         found = sorted((self.path / "checkpoints").glob("step_*"))

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import json
 
+from aligner.config.load import compose_config
+from aligner.config.registry import ALGORITHMS
 from aligner.errors import UsageError
+from aligner.plan.estimate import Lengths, plan_run
+from aligner.plan.hardware import detect
+from aligner.plan.layout import Cluster, accelerator, layout_errors
 
 PLANNER_KEYS = {"cluster.gpu": str, "cluster.memory_gib": float, "cluster.gpus_per_node": int, "cluster.nodes": int,
                 "cluster.service_nodes": int, "plan.prompt_length": int, "plan.response_length": int}
 DEFAULTS = {"cluster.gpu": "h100-80gb", "cluster.memory_gib": None, "cluster.gpus_per_node": 8, "cluster.nodes": 1,
             "cluster.service_nodes": 0, "plan.prompt_length": None, "plan.response_length": None}
-ALGORITHMS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "steerlm", "grpo", "reinforce", "ppo")
+PLANNABLE = tuple(name for name, algorithm in ALGORITHMS.items() if algorithm.plannable)
 PLACEHOLDERS = {"tokenizer.path": "unused-by-plan", "data.train_path": "unused-by-plan"}
 
 
@@ -51,8 +56,6 @@ def split_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
 def compose(algorithm: str, overrides: list[str]):
     """The training config as `aligner train` composes it (types and keys checked), with placeholders for the
     inputs a plan does not read."""
-    from aligner.config.load import compose_config
-
     given = {o.lstrip("+").partition("=")[0] for o in overrides}
     fill = [f"{k}={v}" for k, v in PLACEHOLDERS.items() if k not in given]
     return compose_config(algorithm, fill + list(overrides))
@@ -62,7 +65,7 @@ def vocab_size(cfg) -> int:
     if cfg.model.vocab_size:
         return int(cfg.model.vocab_size)
     if cfg.tokenizer.path != PLACEHOLDERS["tokenizer.path"]:
-        from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+        from aligner.data.tokenizer import load_tokenizer, model_vocab_size  # why: deferred (torch, transformers)
 
         return model_vocab_size(cfg.model, load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path)
     raise UsageError("the model's vocabulary size is unknown", "model.vocab_size",
@@ -71,12 +74,9 @@ def vocab_size(cfg) -> int:
 
 def plan(algorithm: str, overrides: list[str]) -> dict:
     """The JSON object of the contract: fits, step_time_s, components, errors (+ timing, cluster)."""
-    from aligner.plan.estimate import Lengths, plan_run
-    from aligner.plan.layout import Cluster, accelerator, layout_errors
-
-    if algorithm not in ALGORITHMS:
+    if algorithm not in PLANNABLE:
         raise UsageError(f"unknown algorithm '{algorithm}'", "aligner plan <algorithm>",
-                         f"use one of {', '.join(ALGORITHMS)}")
+                         f"use one of {', '.join(PLANNABLE)}")
     options, rest = split_overrides(overrides)
     try:
         hw = accelerator(options["cluster.gpu"], options["cluster.memory_gib"])
@@ -105,13 +105,9 @@ def preflight(algorithm: str, cfg, world_size: int, nodes: int) -> None:
     """`aligner train`'s check on a GPU host, before any rank starts: the trainer's GPUs of this run (its
     world over `nodes` nodes, this host's device) hold the actor, reference and generation engine.
     Raises a UsageError with the planner's sentences; layout rules are load_config's."""
-    import torch
+    import torch  # why: deferred (torch): only `aligner train` on a GPU host calls this
 
-    from aligner.plan.estimate import Lengths, plan_run
-    from aligner.plan.hardware import detect
-    from aligner.plan.layout import Cluster
-
-    if algorithm not in ALGORITHMS:
+    if algorithm not in PLANNABLE:
         return
     props = torch.cuda.get_device_properties(0)
     cluster = Cluster(detect(props.name, props.total_memory / 1024 ** 3), max(world_size // nodes, 1), nodes,

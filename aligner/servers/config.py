@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from aligner.config import ConfigError, compose_config, load_resolved
+from aligner.config import compose_config, load_resolved
+from aligner.errors import ConfigError
 from aligner.rewards import VERIFIERS
 
 KINDS = ("reward", "critic", "verifier")

@@ -10,7 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from aligner.config.schema import SFTRunConfig
-from aligner.config.validate import ConfigError, validate_trackers
+from aligner.config.validate import validate_trackers
+from aligner.errors import ConfigError
 from aligner.observe.trackers import open_trackers
 from tests.conftest import assert_cli_ok, read_metrics, run_cli
 

@@ -4,7 +4,7 @@ takes the model's layout unless told otherwise, with any error about it naming `
 import pytest
 
 from aligner.config import load_config
-from aligner.config.validate import ConfigError
+from aligner.errors import ConfigError
 from aligner.plan.cli import compose, plan
 from tests.conftest import run_cli
 

@@ -195,7 +195,7 @@ def _fake_checkpoint(path, head="reward", outputs=1):
     ("verifier", ["verifier=nope"], "verifier=nope is unknown"),
 ])
 def test_serve_config_errors(tmp_path, kind, overrides, message):
-    from aligner.config import ConfigError
+    from aligner.errors import ConfigError
     from aligner.servers.config import load_serve_config
 
     rm, lm = _fake_checkpoint(tmp_path / "rm", outputs=2), _fake_checkpoint(tmp_path / "lm", head="lm")

@@ -3,7 +3,8 @@ before any process starts, and the message names the key and the fix."""
 import pytest
 from omegaconf import OmegaConf
 
-from aligner.config import ConfigError, load_config
+from aligner.config import load_config
+from aligner.errors import ConfigError
 
 REQUIRED = ["data.train_path=train.jsonl", "tokenizer.path=tok"]
 

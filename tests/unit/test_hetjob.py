@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from aligner.config import ConfigError
+from aligner.errors import ConfigError
 from aligner.algorithms.online import ppo_hetjob as hetjob
 
 # `scontrol show job -o` of a two-component hetjob on Slurm 22.05 (fields trimmed to those read, plus neighbours)

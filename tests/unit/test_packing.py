@@ -143,7 +143,7 @@ def _loss_and_grads(model, step_loss, micro):
 @pytest.mark.parametrize("algorithm", ["dpo", "sft"])
 def test_packed_equals_padded(model, algorithm, flat, unit_blocks, monkeypatch):
     from aligner.algorithms.preference.losses import DPO
-    from aligner.config.schema import DPOConfig
+    from aligner.config.preference_schema import DPOConfig
     from omegaconf import OmegaConf
 
     if unit_blocks:  # every sequence or pair tree is attended on its own, not its whole bin

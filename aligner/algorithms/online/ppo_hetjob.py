@@ -17,8 +17,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from aligner.config import ConfigError, compose_config
+from aligner.config import compose_config
 from aligner.config.validate import validate
+from aligner.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def plan(job_id: int, overrides: list[str], scontrol_lines: str, host_of=first_h
     actor_args = [f"critic.url={service_host}:{p['http']}"]
     cfg = compose_config("ppo", [*overrides, *actor_args])
     check_layout(cfg, service, actor)
-    validate(cfg, actor.tasks)
+    validate(cfg, actor.tasks, "ppo")
     service_args = [f"run_dir={cfg.run_dir}/critic", "server.host=0.0.0.0", f"server.port={p['http']}",
                     *[o for o in embedded_overrides(cfg, step=0) if not o.startswith("launcher.nproc_per_node=")],
                     f"launcher.nproc_per_node={service.tasks}"]
