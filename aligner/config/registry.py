@@ -62,10 +62,11 @@ def own_groups(schema: type) -> set[str]:
 
 
 def algorithms_of(config: Mapping) -> list[str]:
-    """The algorithms a saved run config (`<run_dir>/config.yaml`) may belong to: of those whose own groups
-    it has, the ones with the most (SPIN's config has DPO's groups too). Several only where their schemas
-    are the same (grpo and reinforce)."""
-    matches = {name: len(own_groups(a.schema)) for name, a in ALGORITHMS.items()
-               if own_groups(a.schema) <= set(config)}
-    most = max(matches.values())
-    return [name for name, count in matches.items() if count == most]
+    """The algorithms a saved run config (`<run_dir>/config.yaml`) may belong to: those with the most of
+    their own groups in it, then the fewest missing (SPIN's config has DPO's groups too; a config written
+    before a group existed lacks it). Several where their schemas are the same (grpo and reinforce)."""
+    keys = set(config)
+    fit = {name: (-len(own_groups(a.schema) & keys), len(own_groups(a.schema) - keys))
+           for name, a in ALGORITHMS.items()}
+    best = min(fit.values())
+    return [name for name, score in fit.items() if score == best]

@@ -93,3 +93,11 @@ def test_the_report_tells_each_algorithm_from_its_saved_config(name, tmp_path):
     expected = "rloo" if name in ("grpo", "reinforce") else name
     assert algorithms_of(config) == (["grpo", "reinforce"] if expected == "rloo" else [name])
     assert Run(tmp_path, "run", [], config, "", []).algorithm() == expected
+
+
+@pytest.mark.parametrize("groups, names", [
+    ({"dpo"}, ["dpo"]), ({"spin"}, ["spin"]), ({"algorithm", "critic"}, ["ppo"]),
+    ({"algorithm"}, ["grpo", "reinforce"]), ({"rs", "reward"}, ["rs"]), (set(), ["sft"])])
+def test_a_partial_config_is_told_by_the_groups_it_has(groups, names):
+    """A config saved before a group existed still names its algorithm."""
+    assert algorithms_of({group: {} for group in groups} | {"optim": {}}) == names
