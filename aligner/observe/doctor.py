@@ -1,6 +1,6 @@
 """`aligner doctor RUN_DIR`: name the known failure symptoms of a run from its files.
 
-Reads `<run_dir>/metrics.jsonl` (the names rl_trainer.py, ppo_trainer.py, rl_samples.py and trainer.py
+Reads `<run_dir>/metrics.jsonl` (the names algorithms/online/rl.py, ppo_trainer.py, samples.py and shared/trainer.py
 write), `config.yaml`, `checkpoints/` and the text logs under the run directory (run_files.py reads them).
 Each rule is a small pure function of a `Run` returning at most one `Finding`: the step where the symptom
 started, what was seen (numbers), what to try. No torch here: this runs on a laptop beside the run's files.

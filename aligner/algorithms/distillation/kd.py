@@ -1,6 +1,6 @@
 """Knowledge distillation (`aligner train kd`, NeMo-Aligner's KD): SFT data, and at every loss token
 the student learns the teacher's distribution over the teacher's top-k token ids
-(`kd_loss.topk_kd_divergence`, kd.loss=fwd_kl|bwd_kl) plus kd.sft_loss_weight x its NLL of the data.
+(`loss.topk_kd_divergence`, kd.loss=fwd_kl|bwd_kl) plus kd.sft_loss_weight x its NLL of the data.
 
 Where the teacher's top-k comes from:
 * offline (kd.teacher_logits=DIR): `aligner teacher-logits` wrote it per sample; sample i of the data

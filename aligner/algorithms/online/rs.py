@@ -9,7 +9,7 @@ pieces (`online/rl.py`). `RSTrainer.train_step` is one step, top to bottom:
   -> select: the `rs.top_n` best scored samples of each prompt (`rs_select.select_winners`: ties go to
      the earlier sample, an unscored sample never wins)
   -> SFT on the winners: next-token NLL on each kept response (and the eos or stop token that ended
-     it), the prompt masked (`preference_losses.SFTObjective` through the sequence machinery), in
+     it), the prompt masked (`shared/sft.SFTObjective` through the sequence machinery), in
      optimizer steps of trainer.global_batch_size kept samples
   -> refit the engine (a no-op for the in-process engine), metrics, rollouts with their `kept` flag
      to <run_dir>/rollouts/step_<N>.jsonl; the shared loop then validates (greedy `val/reward/mean`,
