@@ -86,7 +86,7 @@ class SequenceParallelTorchNorm:
     Nothing here depends on the device."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm  # deferred (module note)
 
         without_sp = copy.copy(config)
         without_sp.sequence_parallel = False
@@ -98,7 +98,7 @@ class SequenceParallelTorchNorm:
 
 def transformer_config(m, **overrides):
     """megatron TransformerConfig for a Llama-family `ModelConfig`."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig  # deferred (module note)
 
     dtype = DTYPES[m.params_dtype]
     on_cpu = not torch.cuda.is_available()
@@ -147,7 +147,7 @@ def transformer_config(m, **overrides):
 
 def layer_spec(m):
     """The spec of one decoder layer."""
-    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt import gpt_layer_specs  # deferred (module note)
 
     if use_transformer_engine(m.transformer_impl):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
@@ -155,7 +155,7 @@ def layer_spec(m):
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelTorchNorm
     if m.context_parallel_size > 1:
-        from aligner.models.cp_attention import AllGatherContextParallelAttention
+        from aligner.models.cp_attention import AllGatherContextParallelAttention  # deferred (module note)
 
         layer.self_attention.submodules.core_attention = AllGatherContextParallelAttention
     return spec
@@ -164,6 +164,7 @@ def layer_spec(m):
 def decoder_spec(m, config):
     """The decoder block's spec: the layer spec, plus on the local spec the final norm, which megatron
     would otherwise pick by what is installed (TE's, else the torch norm that refuses SP)."""
+    # deferred (module note)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     spec = layer_spec(m)
@@ -175,8 +176,8 @@ def decoder_spec(m, config):
 
 def build_gpt(m, vocab_size: int, pre_process: bool | None = None, post_process: bool | None = None):
     """A GPTModel for this pipeline stage. `vocab_size` is the unpadded size (tokenizer / HF config)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core import parallel_state as ps  # deferred (module note)
+    from megatron.core.models.gpt.gpt_model import GPTModel  # deferred (module note)
 
     rope.install_fused_rope()
     config = transformer_config(m)
@@ -195,7 +196,7 @@ def build_gpt(m, vocab_size: int, pre_process: bool | None = None, post_process:
     )
     model.true_vocab_size = vocab_size  # logits beyond this index are padding
     if not use_transformer_engine(m.transformer_impl):
-        from aligner.models.swiglu import use_swiglu_mlp
+        from aligner.models.swiglu import use_swiglu_mlp  # deferred (module note)
 
         use_swiglu_mlp(model)
     if torch.cuda.is_available():
@@ -205,6 +206,6 @@ def build_gpt(m, vocab_size: int, pre_process: bool | None = None, post_process:
 
 def layer_offset(m) -> int:
     """Global index of this pipeline stage's first decoder layer."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # deferred (module note)
 
     return ps.get_pipeline_model_parallel_rank() * (m.num_layers // m.pipeline_model_parallel_size)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
 from aligner.runtime import collectives
 
 
 def _tp_group():
-    from megatron.core import parallel_state as ps
-
     if ps.model_parallel_is_initialized():
         return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     return None, 0
@@ -161,6 +161,4 @@ def vocab_parallel_gather(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tens
     picked = torch.where(mine, picked, torch.zeros_like(picked))
     if group is None or dist.get_world_size(group) == 1:
         return picked
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
     return reduce_from_tensor_model_parallel_region(picked)

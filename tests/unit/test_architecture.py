@@ -1,6 +1,7 @@
 """The package's shape: imports point down the layers (the import-linter contract in pyproject.toml,
 function-level imports included), no two modules import each other however indirectly, and no module
 grows past about 400 lines."""
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,40 @@ def test_no_import_cycles_between_modules():
     edges = {module: graph.find_modules_directly_imported_by(module) for module in graph.modules}
     cycles = [describe_cycle(graph, component) for component in strongly_connected(edges)]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def unexplained_function_imports(source: str) -> list[int]:
+    """Lines of imports inside functions with no comment saying why: on the import, on the line above, or
+    on the first import of the run of imports it belongs to (blank lines allowed between them)."""
+    lines = source.splitlines()
+
+    def explained(number: int) -> bool:  # 1-based
+        return "#" in lines[number - 1] or (number > 1 and lines[number - 2].lstrip().startswith("#"))
+
+    imports = sorted({(node.lineno, node.end_lineno) for function in ast.walk(ast.parse(source))
+                      if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom))})
+    found, run_explained, previous_end = [], False, None
+    for start, end in imports:
+        contiguous = previous_end is not None and all(not lines[k].strip() for k in range(previous_end, start - 1))
+        run_explained = any(explained(n) for n in range(start, end + 1)) or (contiguous and run_explained)
+        if not run_explained:
+            found.append(start)
+        previous_end = end
+    return found
+
+
+def test_unexplained_function_imports_are_found():
+    source = ("def f():\n    import os\n\n"
+              "def g():\n    import os  # optional\n    import sys\n\n    import json\n    x = 1\n    import re\n\n"
+              "def h():\n    # deferred: heavy\n    import os\n\n"
+              "def k():\n    if True:\n        import os\n")
+    assert unexplained_function_imports(source) == [2, 10, 18]
+
+
+def test_every_function_level_import_says_why():
+    """An import inside a function is an optional dependency, a heavy import deferred for CLI start-up, or a
+    subprocess entry point, and says so; anything else belongs at module level."""
+    missing = {str(path.relative_to(ROOT)): lines for path in sorted((ROOT / "aligner").rglob("*.py"))
+               if (lines := unexplained_function_imports(path.read_text()))}
+    assert missing == {}

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from aligner.data.jsonl import DataError
 from aligner.errors import UserError
@@ -97,7 +99,6 @@ def check_matches(manifest: dict, identity: dict, where: str, fix: str) -> None:
 
 def save_chunk(out_dir, index: int, ids: torch.Tensor, logits: torch.Tensor, offsets: torch.Tensor) -> Path:
     """Write one chunk atomically (temporary file, then rename)."""
-    from safetensors.torch import save_file
 
     path = chunk_path(out_dir, index)
     tmp = path.with_suffix(".tmp")
@@ -139,7 +140,6 @@ class TeacherLogits:
         if index in self._open:
             self._open[index] = self._open.pop(index)
         else:
-            from safetensors import safe_open
 
             if len(self._open) >= self.OPEN_CHUNKS:
                 self._open.pop(next(iter(self._open)))
