@@ -1,5 +1,5 @@
 """`generation.backend`: which engine generates, for every command that does (aligner/generation/backends.py),
-and its one rule: the engine is installed here."""
+and its rules: the engine is installed here, and only the megatron engine can be compared with the trainer."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,6 +19,10 @@ class GenerationBackendConfig:
     backend: GenerationEngine = GenerationEngine.megatron
 
 
+TRTLLM_NO_REFIT_CHECK = ("generation.check_refit compares the megatron engine's weights with the trainer's; "
+                         "TensorRT-LLM holds its own copy: set generation.check_refit=false")
+
+
 def validate_generation_backend(backend: str, check_refit: bool = False) -> None:
     """generation.backend=trtllm needs TensorRT-LLM on this host (looked up, not imported: importing it costs
     seconds and touches the GPU; the ranks import it through aligner.runtime.optional.require)."""
@@ -28,5 +32,4 @@ def validate_generation_backend(backend: str, check_refit: bool = False) -> None
                               "installed here: run on the GPU image built from the Dockerfile (TensorRT-LLM's release "
                               "container; not installable from PyPI), or use generation.backend=megatron")
         if check_refit:
-            raise ConfigError("generation.check_refit compares the megatron engine's weights with the trainer's; "
-                              "TensorRT-LLM holds its own copy: set generation.check_refit=false")
+            raise ConfigError(TRTLLM_NO_REFIT_CHECK)

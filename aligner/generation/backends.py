@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from aligner.config.generation_schema import TRTLLM_NO_REFIT_CHECK
 from aligner.generation import rng
 from aligner.generation.types import GenerationBackend, Rollout, SamplingParams, WeightStream
 from aligner.models import hf_weights as hw
@@ -86,8 +87,7 @@ class JobTensorRTLLM:
     def refit_check(self, trainer_model=None) -> dict:
         """TensorRT-LLM's weights cannot be read back to compare: config validation refuses
         generation.check_refit with this backend, so no loop gets here."""
-        raise NotImplementedError("generation.check_refit compares the megatron engine's weights with the trainer's; "
-                                  "TensorRT-LLM holds its own copy: set generation.check_refit=false")
+        raise NotImplementedError(TRTLLM_NO_REFIT_CHECK)
 
     def sleep(self) -> None:
         if self.engine is not None and dist.get_rank() == 0:

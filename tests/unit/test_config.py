@@ -125,3 +125,18 @@ def test_packing_is_automatic_for_dpo_and_rm(command):
         with pytest.raises(ValueError, match="data.packing=null packs only where it can"):
             packing_enabled(OmegaConf.merge(engine, {"data": {"packing": True}}))
     assert load_config("sft", REQUIRED, world_size=1).data.packing is False  # opt-in elsewhere
+
+
+def test_trtllm_refuses_the_refit_check(monkeypatch):
+    """TensorRT-LLM's weights cannot be read back, so generation.check_refit is refused before launch (the
+    package's presence faked: this host has none)."""
+    import importlib.util
+
+    from aligner.config.generation_schema import TRTLLM_NO_REFIT_CHECK, validate_generation_backend
+    from aligner.errors import ConfigError
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "tensorrt_llm" else None)
+    validate_generation_backend("trtllm", check_refit=False)
+    with pytest.raises(ConfigError, match="set generation.check_refit=false"):
+        validate_generation_backend("trtllm", check_refit=True)
+    assert "check_refit" in TRTLLM_NO_REFIT_CHECK
