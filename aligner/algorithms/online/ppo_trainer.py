@@ -28,12 +28,13 @@ import torch
 from megatron.core import parallel_state as ps
 
 from aligner.algorithms.online import maths
-from aligner.algorithms.shared.maths import masked_mean
 from aligner.algorithms.online import samples as rl_samples
+from aligner.algorithms.online.rl import RLTrainer
+from aligner.algorithms.online.rollouts import Timings
 from aligner.algorithms.online.samples import Sample
-from aligner.algorithms.online.rl import RLTrainer, Timings
-from aligner.runtime.preemption import Preempted
+from aligner.algorithms.shared.maths import masked_mean
 from aligner.runtime import collectives
+from aligner.runtime.preemption import Preempted
 
 
 class ServiceLost(Preempted):

@@ -115,7 +115,7 @@ class RolloutTrainer(Trainer):
             if timings is not None:
                 timings["score"] += getattr(pending, "duration", 0.0)
         samples_lib.apply_scores(samples, collectives.broadcast_object(scores, src=0), self.a,
-                                self.params.max_new_tokens)
+                                 self.params.max_new_tokens)
 
     # ---- micro-batches and updates --------------------------------------------------------------------
     def minibatches(self, samples: list) -> list[list]:
