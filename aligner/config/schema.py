@@ -48,6 +48,19 @@ class LRScheduler(StrEnum):
     constant = "constant"
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's four linears of a layer
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on the layers' linears, the base weights frozen (aligner/models/lora.py)."""
+
+    rank: int = 0  # 0 = off (full fine-tuning)
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+
 @dataclass
 class ModelConfig:
     """A Llama-family decoder (RMSNorm, SwiGLU, RoPE, GQA), plus how it is parallelised."""
@@ -78,6 +91,7 @@ class ModelConfig:
     # activation recomputation: keeps only each layer's input (full) for ~1/3 more compute; what lets 405B train
     recompute: Recompute = Recompute.none
     pretrained: Optional[str] = None  # an aligner (megatron) checkpoint dir to start from
+    lora: LoraConfig = field(default_factory=LoraConfig)  # how it is trained, not what it is: not in aligner.json's model
 
 
 @dataclass
@@ -202,7 +216,8 @@ class ReferenceMode(StrEnum):
 
 @dataclass
 class ReferenceConfig:
-    mode: ReferenceMode = ReferenceMode.model
+    # null = `model`, or for a LoRA run (model.lora.rank > 0) its base: the policy with its adapters off
+    mode: Optional[ReferenceMode] = None
 
 
 # ---- servers (`aligner serve`; their rules: aligner/servers/config.py) ----------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 from aligner.config.registry import ALGORITHMS
+from aligner.config.schema import LORA_TARGETS
 from aligner.errors import ConfigError
 
 
@@ -41,7 +42,23 @@ def validate_model(m, world_size: int) -> int:
                           f"{2 * cp} (each CP rank holds two chunks); round it up to a multiple of {2 * cp}")
     if m.sequence_parallel and tp == 1:
         raise ConfigError("model.sequence_parallel=true needs model.tensor_model_parallel_size > 1")
+    validate_lora(m.lora, "model.lora")
     return world_size // (tp * pp * cp)
+
+
+def validate_lora(lora, key: str) -> None:
+    """`model.lora` / `critic.lora`: a rank >= 0 (0 = off), alpha > 0, dropout in [0, 1), known targets."""
+    if lora.rank < 0:
+        raise ConfigError(f"{key}.rank must be >= 0 (0 = no adapters, full fine-tuning), got {lora.rank}")
+    if lora.alpha <= 0:
+        raise ConfigError(f"{key}.alpha must be > 0 (the update is scaled by alpha / rank), got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"{key}.dropout must be in [0, 1), got {lora.dropout}")
+    unknown = [t for t in lora.target_modules if t not in LORA_TARGETS]
+    if unknown or not lora.target_modules:
+        raise ConfigError(f"{key}.target_modules={list(lora.target_modules)}: "
+                          f"{'unknown ' + ', '.join(map(str, unknown)) if unknown else 'empty'}; valid: "
+                          f"{', '.join(LORA_TARGETS)}")
 
 
 def validate(cfg, world_size: int, algorithm: str) -> None:
@@ -64,6 +81,13 @@ def validate(cfg, world_size: int, algorithm: str) -> None:
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the schedule decays "
                           f"from lr to min_lr, so set min_lr <= lr")
+    lora = cfg.model.lora
+    if lora.rank > 0 and not cfg.model.pretrained:
+        raise ConfigError(f"model.lora.rank={lora.rank} adapts a base model: set model.pretrained=CHECKPOINT (the "
+                          f"base, frozen), or model.lora.rank=0 for full training")
+    if lora.rank > 0 and cfg.get("reference") is not None and cfg.reference.mode in ("model", "cpu_swap"):
+        raise ConfigError(f"reference.mode={cfg.reference.mode} contradicts model.lora.rank={lora.rank}: a LoRA run's "
+                          f"reference is its frozen base (the adapters off), with no copy; leave reference.mode unset")
     rules = ALGORITHMS[algorithm].validate
     if rules is not None:
         rules(cfg)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from aligner.errors import UserError
+from aligner.models.lora import merged_weight
 from aligner.models.rope import cos_and_signed_sin
 
 def unsupported_reason(model) -> str | None:
@@ -272,12 +273,14 @@ class LeanDecoder:
 
     @staticmethod
     def _layer_params(layer) -> dict:
+        """The layer's weights; a linear with LoRA adapters gives its merged weight W + scale B A, made
+        once for this generate call (the trainer's W is untouched; README, LoRA, says why merged)."""
         attn, mlp = layer.self_attention, layer.mlp
         return {"norm1": _norm_weight(layer.input_layernorm, attn.linear_qkv),
-                "qkv": attn.linear_qkv.weight, "qkv_bias": _bias(attn.linear_qkv),
-                "proj": attn.linear_proj.weight,
+                "qkv": merged_weight(attn.linear_qkv), "qkv_bias": _bias(attn.linear_qkv),
+                "proj": merged_weight(attn.linear_proj),
                 "norm2": _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1),
-                "fc1": mlp.linear_fc1.weight, "fc2": mlp.linear_fc2.weight}
+                "fc1": merged_weight(mlp.linear_fc1), "fc2": merged_weight(mlp.linear_fc2)}
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B, s] token ids -> [B, s, H] (vocab-parallel lookup + TP all-reduce)."""

@@ -12,6 +12,7 @@ spec load with the other: every load checks the model's keys one by one (checkpo
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from omegaconf import OmegaConf
 from aligner.config.schema import ModelConfig
 from aligner.errors import UserError
 from aligner.files import partial_path
-from aligner.models import checkpoint_keys
+from aligner.models import checkpoint_keys, lora
 from aligner.models.gpt import build_gpt
 from aligner.runtime import collectives
 
@@ -79,9 +80,11 @@ def _collect_write_results_in_process() -> None:
 
 def save_checkpoint(path, model, model_cfg, vocab_size: int, *, optimizer=None, trainer_state: dict | None = None,
                     rank_state: dict | None = None, head: str = "lm", tokenizer=None,
-                    extra_meta: dict | None = None) -> Path:
+                    extra_meta: dict | None = None, lora_base: str | None = None) -> Path:
     """Collective: every rank calls it. Returns the published directory. `extra_meta` adds
-    top-level entries to aligner.json (e.g. "hf": the imported model's HF architecture/config)."""
+    top-level entries to aligner.json (e.g. "hf": the imported model's HF architecture/config).
+    A model with LoRA adapters saves only its trainable tensors, and names its base: `lora_base`, by
+    default `model_cfg.pretrained`."""
     from megatron.core import dist_checkpointing  # megatron: see the note at the top
 
     _collect_write_results_in_process()
@@ -92,7 +95,10 @@ def save_checkpoint(path, model, model_cfg, vocab_size: int, *, optimizer=None, 
         (partial / "rank_state").mkdir(parents=True)
         (partial / "weights").mkdir()
     _barrier()
-    sharded = {"model": unwrap(model).sharded_state_dict()}
+    inner = unwrap(model)
+    adapted = lora.has_adapters(inner)
+    # a LoRA run saves what it trains (adapters, a scalar head) and names its frozen base
+    sharded = {"model": trainable_entries(inner) if adapted else inner.sharded_state_dict()}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], metadata=OPTIMIZER_METADATA)
     dist_checkpointing.save(sharded, str(partial / "weights"))
@@ -101,10 +107,13 @@ def save_checkpoint(path, model, model_cfg, vocab_size: int, *, optimizer=None, 
     if _rank() == 0:
         model_dict = OmegaConf.to_container(model_cfg, resolve=True) if not isinstance(model_cfg, dict) else dict(model_cfg)
         meta = {"format": FORMAT_VERSION, "head": head, "vocab_size": vocab_size,
-                "model": {k: v for k, v in model_dict.items() if k not in PARALLEL_KEYS and k != "pretrained"},
+                "model": {k: v for k, v in model_dict.items() if k not in PARALLEL_KEYS + ("pretrained", "lora")},
                 "saved_with": {k: model_dict[k] for k in PARALLEL_KEYS},
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "trainer_state": trainer_state or {}}
+        if adapted:
+            meta["lora"] = lora_metadata(model_dict["lora"], lora_base or model_dict.get("pretrained"),
+                                         trained_head=head != "lm")
         meta = {**(extra_meta or {}), **meta}  # our own keys always win
         (partial / "aligner.json").write_text(json.dumps(meta, indent=2))
         if tokenizer is not None:  # makes the checkpoint self-contained for `aligner logprobs` / export
@@ -167,16 +176,72 @@ def _load_checked(path, inner, sharded: dict, skipped: frozenset[str] = frozense
     return loaded
 
 
-def _load_module(inner, state: dict, path) -> None:
+def _load_module(inner, state: dict, path, frozen_ok: bool = False) -> None:
+    """`state` into `inner`; adapters may be missing (they keep theirs), and with `frozen_ok` every
+    frozen parameter (a LoRA checkpoint's base, loaded apart)."""
     missing, unexpected = inner.load_state_dict(state, strict=False)
+    frozen = {n for n, p in inner.named_parameters() if not p.requires_grad} if frozen_ok else set()
+    missing = [k for k in missing if not lora.is_adapter_parameter(k) and k not in frozen]
     checkpoint_keys.check_module_keys(missing, unexpected, checkpoint_keys.te_extra_state_names(inner), str(path))
 
 
+def base_entries(inner) -> dict:
+    """The model's sharded state dict without its adapters."""
+    return {k: v for k, v in inner.sharded_state_dict().items() if not lora.is_adapter_parameter(k)}
+
+
+def trainable_entries(inner) -> dict:
+    """The sharded state dict of what trains: the adapters (and a scalar head) of a LoRA model."""
+    trainable = {n for n, p in inner.named_parameters() if p.requires_grad}
+    return {k: v for k, v in inner.sharded_state_dict().items() if k in trainable}
+
+
+def _head_outputs(inner) -> int | None:
+    """Outputs of `inner`'s scalar head (None: a language model, or a stage without the head)."""
+    return getattr(getattr(inner, "output_layer", None), "num_outputs", None)
+
+
+def _load_into(path, inner, num_outputs: int | None) -> bool:
+    """Collective: the weights checkpoint `path` computes with into `inner`'s base parameters (its adapters
+    are left as they are). `num_outputs`: the scalar head's, whose weights load only from a head of that
+    size (None: a language model). A LoRA checkpoint loads its base (fingerprint-checked) and merges its
+    adapters in. Returns whether the head loaded."""
+    meta = read_metadata(path)
+    with_head = num_outputs is None or scalar_head_outputs(path) == num_outputs
+    head_keys = [k for k in inner.sharded_state_dict() if k.startswith("output_layer.")]
+    if "lora" not in meta:
+        sharded = {k: v for k, v in base_entries(inner).items() if with_head or k not in head_keys}
+        skipped = frozenset() if with_head else frozenset(inner.sharded_state_dict()[k].key for k in head_keys)
+        loaded = _load_checked(path, inner, {"model": sharded}, skipped)["model"]
+        missing, unexpected = inner.load_state_dict(loaded, strict=False)
+        missing = [k for k in missing if not lora.is_adapter_parameter(k) and (with_head or k not in head_keys)]
+        checkpoint_keys.check_module_keys(missing, unexpected, checkpoint_keys.te_extra_state_names(inner), str(path))
+        return with_head
+    head_loaded = _load_into(lora_base(path, meta), inner, num_outputs)
+    saved_head = bool(meta["lora"].get("trained_head")) and with_head
+    theirs = lora.new_adapters(inner, meta["lora"])
+    ours = [(module, lora.attach(module, adapter)) for module, adapter in theirs]
+    try:
+        entries = {k: v for k, v in inner.sharded_state_dict().items()
+                   if lora.is_adapter_parameter(k) or (saved_head and k in head_keys)}
+        skipped = frozenset() if saved_head or not meta["lora"].get("trained_head") else frozenset(
+            inner.sharded_state_dict()[k].key for k in head_keys)
+        loaded = _load_checked(path, inner, {"model": entries}, skipped)["model"]
+        inner.load_state_dict(loaded, strict=False)
+        with torch.no_grad():
+            for module, _ in theirs:
+                module.weight.copy_(lora.merged_weight(module))
+    finally:
+        for module, adapter in ours:
+            lora.attach(module, adapter)
+    return head_loaded or saved_head
+
+
 def load_weights(path, model) -> None:
-    """Load the model weights into `model` (any TP/PP layout: dist_checkpointing reshards; either layer spec)."""
-    inner = unwrap(model)
-    loaded = _load_checked(path, inner, {"model": inner.sharded_state_dict()})
-    _load_module(inner, loaded["model"], path)
+    """Load the weights `path` computes with into `model` (any TP/PP layout: dist_checkpointing reshards;
+    either layer spec): a LoRA checkpoint's base with its adapters merged. `model`'s own adapters, if
+    any, are not touched."""
+    _load_into(path, unwrap(model), None)
 
 
 def scalar_head_outputs(path) -> int | None:
@@ -195,18 +260,54 @@ def load_into_scalar_model(path, model, num_outputs: int) -> bool:
     """Load a checkpoint into a scalar-head model (any TP/PP): all weights when its head has
     `num_outputs` outputs, else everything but the head (a language model, or a reward model with
     other attributes), which keeps its initialisation. Collective. Returns whether the head loaded."""
-    inner = unwrap(model)
-    sharded = inner.sharded_state_dict()
-    with_head = scalar_head_outputs(path) == num_outputs
-    skipped = [] if with_head else [k for k in sharded if k.startswith("output_layer.")]
-    skipped_keys = frozenset(sharded[k].key for k in skipped)
-    for key in skipped:
-        del sharded[key]
-    loaded = _load_checked(path, inner, {"model": sharded}, skipped_keys)["model"]
-    missing, unexpected = inner.load_state_dict(loaded, strict=False)
-    checkpoint_keys.check_module_keys(sorted(set(missing) - set(skipped)), unexpected,
-                                      checkpoint_keys.te_extra_state_names(inner), str(path))
-    return with_head
+    return _load_into(path, unwrap(model), num_outputs)
+
+
+# ---- LoRA checkpoints: the adapters, and the base they were trained on ------------------------------------
+FINGERPRINT_SAMPLE = 1 << 20
+
+
+def fingerprint(path) -> str:
+    """A checkpoint's identity, cheap at 405B: sha256 of aligner.json and, for each weight file, its name,
+    size and first and last MiB (a retrained or rewritten base changes its metadata or its bytes)."""
+    path = Path(path)
+    digest = hashlib.sha256((path / "aligner.json").read_bytes())
+    for file in sorted(p for p in (path / "weights").rglob("*") if p.is_file()):
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(path)} {size}".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(FINGERPRINT_SAMPLE))
+            if size > FINGERPRINT_SAMPLE:
+                f.seek(max(FINGERPRINT_SAMPLE, size - FINGERPRINT_SAMPLE))
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+class ChangedBase(UserError):
+    """A LoRA checkpoint's base is gone, or is not the one its adapters were trained on."""
+
+
+def lora_metadata(lora_cfg, base, trained_head: bool) -> dict:
+    """aligner.json's "lora": the adapters' settings and the base they apply to."""
+    if not base:
+        raise ValueError("a LoRA checkpoint needs its base: model.pretrained")
+    settings = OmegaConf.to_container(lora_cfg, resolve=True) if not isinstance(lora_cfg, dict) else dict(lora_cfg)
+    base = str(Path(base).resolve())
+    return {**settings, "trained_head": trained_head, "base": {"path": base, "fingerprint": fingerprint(base)}}
+
+
+def lora_base(path, meta: dict | None = None) -> str:
+    """The base checkpoint of LoRA checkpoint `path`, refused when it changed since the adapters were saved."""
+    base = (meta or read_metadata(path))["lora"]["base"]
+    if not is_complete(base["path"]):
+        raise ChangedBase(f"the LoRA checkpoint's base {base['path']} is not a complete checkpoint any more",
+                          str(path), "restore the base checkpoint at that path")
+    now = fingerprint(base["path"])
+    if now != base["fingerprint"]:
+        raise ChangedBase(f"the LoRA checkpoint's base {base['path']} changed since the adapters were saved: "
+                          f"fingerprint {now}, expected {base['fingerprint']}", str(path),
+                          "restore the base the adapters were trained on")
+    return base["path"]
 
 
 def _materialise_distributed_optimizer_state(optimizer) -> None:
@@ -256,17 +357,19 @@ def load_training_state(path, model, optimizer) -> tuple[dict, dict | None]:
     """Weights + optimizer state; returns (trainer_state, this rank's rank_state or None)."""
     path = Path(path)
     inner = unwrap(model)
+    meta = read_metadata(path)
+    if "lora" in meta:  # the frozen base first, then what trained
+        _load_into(lora_base(path, meta), inner, _head_outputs(inner))
     _materialise_distributed_optimizer_state(optimizer)
-    model_sd = inner.sharded_state_dict()
+    model_sd = trainable_entries(inner) if "lora" in meta else inner.sharded_state_dict()
     sharded = {"model": model_sd,
                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)}
     loaded = _load_checked(path, inner, sharded)
-    _load_module(inner, loaded["model"], path)
+    _load_module(inner, loaded["model"], path, frozen_ok="lora" in meta)
     with torch.no_grad():  # the distributed optimizer copies into leaf main params in place
         optimizer.load_state_dict(loaded["optimizer"])
     _restore_adam_step(optimizer, loaded["optimizer"])
     rank_file = path / "rank_state" / f"rank_{_rank():05d}.pt"
-    meta = read_metadata(path)
     same_world = meta["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1)
     rank_state = torch.load(rank_file, weights_only=False) if same_world and rank_file.exists() else None
     return meta["trainer_state"], rank_state

@@ -8,10 +8,18 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
+from aligner.models import lora
+from aligner.models.heads import ScalarHead
+
 
 def wrap_for_training(model, model_cfg, optim_cfg):
-    """Returns (ddp_model, optimizer, scheduler). Sets the config hooks megatron's schedules use."""
+    """Returns (ddp_model, optimizer, scheduler). Sets the config hooks megatron's schedules use. With
+    `model_cfg.lora.rank > 0` the model gets its adapters first and only they (and a scalar head) train:
+    the frozen base has no gradient buffer, optimizer state or distributed-optimizer shard."""
     config = model.config
+    lora_cfg = model_cfg.get("lora") if hasattr(model_cfg, "get") else getattr(model_cfg, "lora", None)
+    if lora.enabled(lora_cfg):
+        lora.add_adapters(model, lora_cfg, train_head=isinstance(getattr(model, "output_layer", None), ScalarHead))
     bf16 = model_cfg.params_dtype == "bfloat16"
     if bf16:
         model = Float16Module(config, model)

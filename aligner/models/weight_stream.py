@@ -21,13 +21,15 @@ per bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+import functools
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.models import hf_weights as hw
+from aligner.models import lora
 from aligner.runtime import collectives
 
 DEFAULT_BUCKET_BYTES = 1 << 30
@@ -60,13 +62,19 @@ def _stage_plan(g: hw.Geometry, pp: int) -> list[list[str]]:
             for s in range(pp)]
 
 
-def _local_parameters(model, g: hw.Geometry, offset: int, expected: list[str]) -> dict[str, torch.Tensor]:
-    local = {}
+def _local_parameters(model, g: hw.Geometry, offset: int, expected: list[str]) -> dict[str, Callable]:
+    """canonical name -> a function giving this rank's tensor: the parameter, or for a linear with a LoRA
+    adapter its merged weight, made when streamed (one at a time, never a merged copy of the model)."""
+    local, modules = {}, dict(model.named_modules())
     for name, param in model.named_parameters():
+        if lora.is_adapter_parameter(name):
+            continue
         canonical = hw.canonical_name(name, offset)
         if canonical == "output_layer.weight" and g.tied and not g.score_outputs:
             continue  # the last stage's copy of the tied embedding
-        local[canonical] = param
+        owner, _, leaf = name.rpartition(".")
+        local[canonical] = (functools.partial(lora.merged_weight, modules[owner]) if leaf == "weight"
+                            else (lambda p=param: p))
     if set(local) != set(expected):
         raise RuntimeError(f"model parameters do not match the expected layout: unexpected "
                            f"{sorted(set(local) - set(expected))[:5]}, missing {sorted(set(expected) - set(local))[:5]}")
@@ -143,12 +151,13 @@ def _part_shape(name: str, g: hw.Geometry, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _full_tensor(name, param, stage, layout: _Layout, g, dtype, device) -> torch.Tensor:
+def _full_tensor(name, local, stage, layout: _Layout, g, dtype, device) -> torch.Tensor:
     """The full (TP-gathered) tensor of a parameter of pipeline stage `stage`, on every rank; the
-    calls (module doc) depend only on the name, the geometry and the layout, never on `param`."""
+    calls (module doc) depend only on the name, the geometry and the layout, never on `local`
+    (this rank's tensor, when it holds the parameter)."""
     shape = _part_shape(name, g, layout.tp)
     if layout.pp_rank == stage:
-        part = param.detach().to(dtype).contiguous()
+        part = local().detach().to(dtype).contiguous()
         if tuple(part.shape) != shape:
             raise RuntimeError(f"{name}: local shape {tuple(part.shape)}, the layout expects {shape}")
     else:

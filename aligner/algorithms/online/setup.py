@@ -60,7 +60,7 @@ def build_online_run(cfg, packed: bool, *, reference: bool, score: bool = True) 
     g = cfg.generation
     engine = build_engine(str(g.backend), model, m, vocab_size, tokenizer, batch_size=g.batch_size, decode=g.decode,
                           tokenizer_dir=cfg.tokenizer.path, checkpoint=m.pretrained)
-    ref = build_reference(cfg, model, vocab_size, str(cfg.reference.mode)) if reference else None
+    ref = build_reference(cfg, model, vocab_size, cfg.reference.mode) if reference else None
     scorer, val_scorer = reward_scorers(cfg, tokenizer, score)
     packing = {"packed": packed, "capacity": None, "flat": flat_packing(packed, model)}
     return OnlineRun(tokenizer, vocab_size, prompts, val, model, optimizer, scheduler, engine, ref, scorer, val_scorer,

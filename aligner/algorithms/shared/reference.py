@@ -6,6 +6,9 @@
 * `precompute`: its log-probs are computed once for every sample before training and cached in
   `<run_dir>/reference/<split>.pt` (keyed by a fingerprint of the tokens and of the reference), so
   a resumed run reads them back; no reference weights are kept during training.
+A LoRA run (`model.lora.rank > 0`) has no reference weights of its own: its reference is the policy
+with its adapters off, the frozen base (`adapters`); after SPIN renews it, a copy of the adapters at
+that point (tensors of rank r) is swapped in for the reference pass instead.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from megatron.core.transformer.module import Float16Module
 
 from aligner.algorithms.shared.sequence_logprobs import interleave, logprob_sums
 from aligner.data.packing import build_micro_batches
-from aligner.models import checkpoint
+from aligner.models import checkpoint, lora
 from aligner.models.policy import build_policy
 from aligner.models.weight_swap import CpuWeights, copy_weights
 from aligner.runtime import collectives
@@ -35,12 +38,16 @@ def named_parameters(model) -> dict[str, torch.nn.Parameter]:
 
 
 class Reference:
-    """The frozen initial policy, as a second model (`model`) or as CPU weights swapped into the
-    policy (`cpu_swap`). Build it before the trainer resumes, while the policy holds its initial
-    weights; with `pretrained` those are loaded from the checkpoint instead."""
+    """The frozen initial policy, as a second model (`model`), as CPU weights swapped into the
+    policy (`cpu_swap`), or as the policy's base, its adapters off (`adapters`, a LoRA run). Build it
+    before the trainer resumes, while the policy holds its initial weights; with `pretrained` those
+    are loaded from the checkpoint instead."""
 
     def __init__(self, mode: str, policy, model_cfg, vocab_size: int, pretrained: str | None):
         self.mode, self.policy, self.vocab_size = mode, policy, vocab_size
+        if mode == "adapters":
+            self.model, self.adapters = None, None  # None: the base itself
+            return
         model = build_policy(model_cfg, vocab_size)
         if pretrained:
             checkpoint.load_weights(pretrained, model)
@@ -60,7 +67,9 @@ class Reference:
 
     def load_from(self, params: dict[str, torch.Tensor]) -> None:
         """Make `params` (a model's named parameters) the reference weights (SPIN renews it)."""
-        if self.mode == "cpu_swap":
+        if self.mode == "adapters":  # the base is shared and frozen: only the adapters differ
+            self.adapters = {n: p.detach().clone() for n, p in params.items() if lora.is_adapter_parameter(n)}
+        elif self.mode == "cpu_swap":
             self.weights.save(params)
         else:
             copy_weights(params, named_parameters(self.model))
@@ -75,9 +84,26 @@ class Reference:
         finally:
             self.backup.load_into(params)
 
+    @contextlib.contextmanager
+    def _adapters_swapped(self):
+        if self.adapters is None:
+            with lora.disabled(self.policy):
+                yield self.policy
+            return
+        params = named_parameters(self.policy)
+        live = {n: params[n].detach().clone() for n in self.adapters}
+        with torch.no_grad():
+            copy_weights(self.adapters, params)
+        try:
+            yield self.policy
+        finally:
+            with torch.no_grad():
+                copy_weights(live, params)
+
     def run(self, forward):
         """`forward(model)` with the reference weights (its own model, or swapped into the policy)."""
-        context = self._swapped_in() if self.mode == "cpu_swap" else contextlib.nullcontext(self.model)
+        context = (self._swapped_in() if self.mode == "cpu_swap" else self._adapters_swapped()
+                   if self.mode == "adapters" else contextlib.nullcontext(self.model))
         with context as model:
             return forward(model)
 
@@ -85,10 +111,12 @@ class Reference:
         return self.run(lambda model: logprob_sums(model, micro_batches, length, self.vocab_size))
 
 
-def build_reference(cfg, policy, vocab_size: int, mode: str) -> Reference:
-    """The run's reference in `mode` (`model` or `cpu_swap`): `cfg.model.pretrained`'s weights, else the
-    policy's initial ones. Every trainer builds its reference here."""
+def build_reference(cfg, policy, vocab_size: int, mode: str | None) -> Reference:
+    """The run's reference in `mode` (`model`, the default, or `cpu_swap`): `cfg.model.pretrained`'s weights,
+    else the policy's initial ones; in a LoRA run the policy's base (config validation refused any
+    other explicit mode). Every trainer builds its reference here."""
     m = cfg.model
+    mode = "adapters" if lora.enabled(m.lora) else (mode or "model")
     return Reference(mode, policy, m, vocab_size, m.pretrained)
 
 
