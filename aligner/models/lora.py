@@ -87,7 +87,9 @@ class Adapter(torch.nn.Module):
 def _init_a(rank: int, fan_in: int, layer_number: int, target: str) -> torch.Tensor:
     """A whole: uniform in +-1/sqrt(fan_in) (PEFT's kaiming-uniform, a = sqrt(5)), from a generator seeded
     by the run's seed, the layer's global number and the target, so no rank layout changes it."""
-    key = f"{torch.initial_seed()} {layer_number} {target}".encode()
+    from aligner.runtime.seeding import run_seed  # deferred: imports megatron (module note)
+
+    key = f"{run_seed()} {layer_number} {target}".encode()
     generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
     bound = 1.0 / math.sqrt(fan_in)
     return torch.empty(rank, fan_in).uniform_(-bound, bound, generator=generator)
@@ -117,16 +119,21 @@ def _sharded_state_dict(module, base_sharded):
 
     def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
         from megatron.core import parallel_state as ps  # deferred (module note)
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         entries = {k: v for k, v in base_sharded(prefix, sharded_offsets, metadata).items()
                    if not k.startswith(f"{prefix}lora.")}
         adapter = module.lora
         axis = {"lora.b": 0} if adapter.column else {"lora.a": 1}
-        entries.update(make_sharded_tensors_for_checkpoint(
+        mine = make_sharded_tensors_for_checkpoint(
             {"lora.a": adapter.a, "lora.b": adapter.b}, prefix, axis, sharded_offsets,
-            tp_group=ps.get_tensor_model_parallel_group(),
-            dp_cp_group=(metadata or {}).get("dp_cp_group")))
+            tp_group=ps.get_tensor_model_parallel_group(), dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        if adapter.target == "linear_fc1" and module.config.gated_linear_unit:
+            # each TP rank holds [gate_r; up_r]: its B rows are two shards, as megatron's MLP says of W
+            mine[f"{prefix}lora.b"] = apply_swiglu_sharded_factory(
+                mine[f"{prefix}lora.b"], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+        entries.update(mine)
         return entries
     return sharded_state_dict
 

@@ -25,6 +25,15 @@ log = logging.getLogger(__name__)
 FORMAT = 2
 
 
+_run_seed: int | None = None
+
+
+def run_seed() -> int:
+    """The seed `seed_everything` was given, the same on every rank (torch's own differs by pipeline stage);
+    torch's initial seed when it was not called."""
+    return _run_seed if _run_seed is not None else torch.initial_seed()
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (CPU + CUDA, plus megatron's TP-rank RNG tracker).
 
@@ -32,6 +41,8 @@ def seed_everything(seed: int) -> None:
     masks where megatron expects it; megatron's tracker offsets the TP-local stream itself.
     Pipeline stages get different seeds (seed + 100 * pp_rank), as in Megatron-LM.
     """
+    global _run_seed
+    _run_seed = seed
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed % 2**32)
