@@ -239,9 +239,23 @@ def _load_into(path, inner, num_outputs: int | None) -> bool:
 
 def load_weights(path, model) -> None:
     """Load the weights `path` computes with into `model` (any TP/PP layout: dist_checkpointing reshards;
-    either layer spec): a LoRA checkpoint's base with its adapters merged. `model`'s own adapters, if
-    any, are not touched."""
-    _load_into(path, unwrap(model), None)
+    either layer spec), a scalar head included: a LoRA checkpoint's base with its adapters merged.
+    `model`'s own adapters, if any, are not touched."""
+    inner = unwrap(model)
+    outputs = _head_outputs(inner)
+    if not _load_into(path, inner, outputs) and outputs is not None:
+        raise checkpoint_keys.CheckpointMismatch(
+            f"the checkpoint has no scalar head of {outputs} output(s) for this model", str(path),
+            "load a reward or value checkpoint with that head")
+
+
+def load_adapted(path, model) -> None:
+    """LoRA checkpoint `path` into a model with the same adapters (`lora.add_adapters` of its settings): its
+    base into the frozen weights, its adapters (and trained head) into the model's own. Collective."""
+    inner = unwrap(model)
+    _load_into(lora_base(path), inner, _head_outputs(inner))
+    loaded = _load_checked(path, inner, {"model": trainable_entries(inner)})
+    _load_module(inner, loaded["model"], path, frozen_ok=True)
 
 
 def scalar_head_outputs(path) -> int | None:

@@ -40,7 +40,7 @@ from aligner.files import atomic_write
 from aligner.generation import rng
 from aligner.generation.backends import build_engine
 from aligner.generation.types import SamplingParams
-from aligner.models.checkpoint import load_weights
+from aligner.models import checkpoint, lora
 from aligner.models.gpt import build_gpt
 from aligner.models.policy import build_policy
 from aligner.models.training import wrap_for_training
@@ -97,7 +97,11 @@ class SPINTrainer(SequenceTrainer):
 
     def _reference_from_checkpoint(self, path: Path) -> None:
         weights = build_policy(self.cfg.model, self.vocab_size)
-        load_weights(path, weights)
+        if lora.enabled(self.cfg.model.lora):  # the reference is the base with that step's adapters
+            lora.add_adapters(weights, self.cfg.model.lora)
+            checkpoint.load_adapted(path, weights)
+        else:
+            checkpoint.load_weights(path, weights)
         self.reference.load_from(named_parameters(weights))
 
     def before_train_step(self) -> dict:
