@@ -10,8 +10,8 @@ from typing import Optional
 from omegaconf import MISSING
 
 from aligner.config.generation_schema import GenerationBackendConfig, validate_generation_backend
-from aligner.config.schema import (CriticTrainConfig, LauncherConfig, OptimConfig, ReferenceConfig,
-                                   ServeParallelConfig, TrainRunConfig)
+from aligner.config.schema import (CriticTrainConfig, LauncherConfig, LoraConfig, OptimConfig, ReferenceConfig,
+                                   ServeParallelConfig, TrainRunConfig, validate_lora)
 from aligner.errors import ConfigError
 
 
@@ -215,6 +215,7 @@ class PPOCriticConfig:
     trainer: CriticTrainConfig = field(default_factory=CriticTrainConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=0,
                                                                      weight_decay=0.0))
+    lora: LoraConfig = field(default_factory=LoraConfig)  # the critic's own adapters (its initial weights frozen)
 
 
 @dataclass
@@ -313,6 +314,7 @@ def _validate_critic(cfg) -> None:
         raise ConfigError("PPO puts the KL into the token rewards (algorithm.kl.mode=reward) or leaves it out (none)")
     if a.scores.clip is not None and a.scores.clip <= 0:
         raise ConfigError(f"algorithm.scores.clip must be > 0, got {a.scores.clip}")
+    validate_lora(c.lora, "critic.lora")
     if min(c.timeout_s, c.startup_timeout_s, c.save_timeout_s) <= 0:
         raise ConfigError("critic.timeout_s, critic.startup_timeout_s and critic.save_timeout_s must be > 0")
     if c.url is None:

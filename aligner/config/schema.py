@@ -13,6 +13,8 @@ from typing import Optional
 
 from omegaconf import MISSING
 
+from aligner.errors import ConfigError
+
 
 class ParamsDtype(StrEnum):
     float32 = "float32"
@@ -59,6 +61,21 @@ class LoraConfig:
     alpha: float = 32.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapter's input
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+
+def validate_lora(lora, key: str) -> None:
+    """`model.lora` / `critic.lora`: a rank >= 0 (0 = off), alpha > 0, dropout in [0, 1), known targets."""
+    if lora.rank < 0:
+        raise ConfigError(f"{key}.rank must be >= 0 (0 = no adapters, full fine-tuning), got {lora.rank}")
+    if lora.alpha <= 0:
+        raise ConfigError(f"{key}.alpha must be > 0 (the update is scaled by alpha / rank), got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"{key}.dropout must be in [0, 1), got {lora.dropout}")
+    unknown = [t for t in lora.target_modules if t not in LORA_TARGETS]
+    if unknown or not lora.target_modules:
+        raise ConfigError(f"{key}.target_modules={list(lora.target_modules)}: "
+                          f"{'unknown ' + ', '.join(map(str, unknown)) if unknown else 'empty'}; valid: "
+                          f"{', '.join(LORA_TARGETS)}")
 
 
 @dataclass
@@ -285,6 +302,7 @@ class CriticServeConfig:
     tokenizer: Optional[str] = None  # for text requests; None = <checkpoint>/tokenizer
     run_dir: str = "runs/serve_critic"
     reward_checkpoint: Optional[str] = None  # co-host this reward model (same architecture), swapped in from CPU
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters on the critic; its checkpoint is the frozen base
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=5567))
     parallel: ServeParallelConfig = field(default_factory=ServeParallelConfig)
     trainer: CriticTrainConfig = field(default_factory=CriticTrainConfig)

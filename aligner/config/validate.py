@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 from aligner.config.registry import ALGORITHMS
-from aligner.config.schema import LORA_TARGETS
+from aligner.config.schema import validate_lora
 from aligner.errors import ConfigError
 
 
@@ -44,21 +44,6 @@ def validate_model(m, world_size: int) -> int:
         raise ConfigError("model.sequence_parallel=true needs model.tensor_model_parallel_size > 1")
     validate_lora(m.lora, "model.lora")
     return world_size // (tp * pp * cp)
-
-
-def validate_lora(lora, key: str) -> None:
-    """`model.lora` / `critic.lora`: a rank >= 0 (0 = off), alpha > 0, dropout in [0, 1), known targets."""
-    if lora.rank < 0:
-        raise ConfigError(f"{key}.rank must be >= 0 (0 = no adapters, full fine-tuning), got {lora.rank}")
-    if lora.alpha <= 0:
-        raise ConfigError(f"{key}.alpha must be > 0 (the update is scaled by alpha / rank), got {lora.alpha}")
-    if not 0 <= lora.dropout < 1:
-        raise ConfigError(f"{key}.dropout must be in [0, 1), got {lora.dropout}")
-    unknown = [t for t in lora.target_modules if t not in LORA_TARGETS]
-    if unknown or not lora.target_modules:
-        raise ConfigError(f"{key}.target_modules={list(lora.target_modules)}: "
-                          f"{'unknown ' + ', '.join(map(str, unknown)) if unknown else 'empty'}; valid: "
-                          f"{', '.join(LORA_TARGETS)}")
 
 
 def validate(cfg, world_size: int, algorithm: str) -> None:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from aligner.config import compose_config, load_resolved
+from aligner.config.schema import validate_lora
 from aligner.errors import ConfigError
 from aligner.rewards import VERIFIERS
 
@@ -116,6 +117,7 @@ def check(kind: str, cfg) -> None:
                               f"trainer.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}")
         if t.epochs < 1 or t.loss_clip <= 0:
             raise ConfigError("trainer.epochs must be >= 1 and trainer.loss_clip > 0")
+        validate_lora(cfg.lora, "lora")
     for m in (meta, reward_meta):
         if m and m["model"]["num_attention_heads"] % p.tensor_model_parallel_size:
             raise ConfigError(f"the model's {m['model']['num_attention_heads']} attention heads do not split over "

@@ -33,7 +33,7 @@ from megatron.core import parallel_state as ps
 from aligner.algorithms.online.maths import clipped_value_loss
 from aligner.algorithms.shared.maths import masked_sum
 from aligner.algorithms.shared.training_step import forward_backward, optimizer_step
-from aligner.models import checkpoint
+from aligner.models import checkpoint, lora
 from aligner.models.forward_step import head_values, make_forward_step, token_reduction
 from aligner.models.heads import ScalarHead, last_token_scores
 from aligner.models.scoring import build_scalar_model, forward_rows, token_values_head
@@ -54,8 +54,9 @@ ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_qu
 
 
 def _backbone(model) -> dict[str, torch.nn.Parameter]:
-    """Every parameter but the head's (the critic and the co-hosted reward model share these)."""
-    return {n: p for n, p in checkpoint.unwrap(model).named_parameters() if not n.startswith("output_layer.")}
+    """Every parameter but the head's and LoRA adapters' (the critic and the co-hosted reward model share these)."""
+    return {n: p for n, p in checkpoint.unwrap(model).named_parameters()
+            if not n.startswith("output_layer.") and not lora.is_adapter_parameter(n)}
 
 
 def value_loss(clip: float):
@@ -81,6 +82,10 @@ def train_summary(step_sums: list[dict]) -> tuple[float, float]:
     return float(np.mean(losses)), sum(s.get("clipped", 0.0) for s in step_sums) / max(tokens, 1.0)
 
 
+def _same_path(a, b) -> bool:
+    return b is not None and Path(a).resolve() == Path(b).resolve()
+
+
 class Critic:
     """The critic (and optionally a co-hosted reward model) on every rank; methods are collective."""
 
@@ -95,6 +100,10 @@ class Critic:
             raise ValueError("the critic needs initial weights: set checkpoint=DIR (a reward, language-model or "
                              f"critic checkpoint), or resume from {self.checkpoints}")
         gpt, self.model_cfg, self.vocab_size = build_scalar_model(source, cfg.parallel, 1)
+        self.model_cfg.lora = cfg.lora  # wrap_for_training adds the adapters (the value head trains too)
+        # a LoRA critic's frozen base: its initial weights, or those its resumed checkpoint names
+        self.lora_base = (checkpoint.read_metadata(resume)["lora"]["base"]["path"]
+                          if resume is not None and "lora" in checkpoint.read_metadata(resume) else cfg.checkpoint)
         self.inner = gpt
         self.model, self.optimizer, self.scheduler = wrap_for_training(gpt, self.model_cfg, cfg.optim)
         self.train_step = make_forward_step(head_values, token_reduction(value_loss(cfg.trainer.loss_clip)))
@@ -128,8 +137,13 @@ class Critic:
                 self.reward_head.cuda()
             self.inner.output_layer = self.reward_head
         checkpoint.load_into_scalar_model(path, self.model, outputs)
-        self._reward_weights = CpuWeights(_backbone(self.model))
-        self._critic_weights = CpuWeights(_backbone(self.model), copy=False)  # filled at the first swap
+        if lora.enabled(self.cfg.lora) and _same_path(path, self.lora_base):
+            # a LoRA critic's frozen base is the reward model itself: scoring switches the adapters off and
+            # the head, and no weights are swapped or copied
+            self._reward_weights = self._critic_weights = None
+        else:
+            self._reward_weights = CpuWeights(_backbone(self.model))
+            self._critic_weights = CpuWeights(_backbone(self.model), copy=False)  # filled at the first swap
         if self.value_head is not None:
             self.inner.output_layer = self.value_head
         self.reward_outputs = outputs
@@ -140,11 +154,13 @@ class Critic:
             return
         params = _backbone(self.model)
         if which == "reward":
-            self._critic_weights.save(params)
-            self._reward_weights.load_into(params)
+            if self._reward_weights is not None:
+                self._critic_weights.save(params)
+                self._reward_weights.load_into(params)
             head = self.reward_head
         else:
-            self._critic_weights.load_into(params)
+            if self._critic_weights is not None:
+                self._critic_weights.load_into(params)
             head = self.value_head
         if head is not None:
             self.inner.output_layer = head
@@ -174,8 +190,9 @@ class Critic:
 
     def rewards(self, tokens, lengths):
         self._use("reward")
-        return forward_rows(self.model, tokens, lengths, self.cfg.server.forward_micro_batch_size, last_token_scores,
-                            (self.reward_outputs,))
+        with lora.disabled(self.model):  # the reward model has no adapters
+            return forward_rows(self.model, tokens, lengths, self.cfg.server.forward_micro_batch_size,
+                                last_token_scores, (self.reward_outputs,))
 
     def infer(self, tokens, lengths) -> tuple:
         """(values, rewards or None); whichever model is resident runs first (one swap, not two)."""
@@ -216,6 +233,7 @@ class Critic:
         state = {"actor_step": actor_step, "updates": self.updates, "scheduler": self.scheduler.state_dict()}
         path = checkpoint.save_checkpoint(self.checkpoints / f"step_{actor_step:06d}", self.model, self.model_cfg,
                                           self.vocab_size, optimizer=self.optimizer, trainer_state=state, head="value",
+                                          lora_base=self.lora_base,
                                           extra_meta={"scalar_head": {"num_outputs": 1, "attributes": None,
                                                                       "loss": "clipped_value"}})
         if torch.distributed.get_rank() == 0:

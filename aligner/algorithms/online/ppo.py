@@ -216,6 +216,8 @@ def embedded_overrides(cfg, step: int) -> list[str]:
                         # every optimizer key but decay_steps, which follows the service's own trainer.max_steps
                         ("optim", tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "decay_steps"))):
         out += [f"{group}.{k}={c[group][k]}" for k in keys]
+    out += [f"lora.rank={c.lora.rank}", f"lora.alpha={c.lora.alpha}", f"lora.dropout={c.lora.dropout}",
+            f"lora.target_modules=[{','.join(c.lora.target_modules)}]"]
     return out
 
 
