@@ -140,3 +140,36 @@ def test_trtllm_refuses_the_refit_check(monkeypatch):
     with pytest.raises(ConfigError, match="set generation.check_refit=false"):
         validate_generation_backend("trtllm", check_refit=True)
     assert "check_refit" in TRTLLM_NO_REFIT_CHECK
+
+
+@pytest.mark.parametrize("command, overrides, fragment", [
+    ("dpo", ["model.lora.rank=-1"], r"model.lora.rank must be >= 0"),
+    ("sft", ["model.lora.rank=8", "model.lora.alpha=0"], r"model.lora.alpha must be > 0"),
+    ("grpo", ["model.lora.rank=8", "model.lora.target_modules=[linear_qkv,q_proj]"],
+     r"model.lora.target_modules=.*unknown q_proj; valid: linear_qkv, linear_proj, linear_fc1, linear_fc2"),
+    ("sft", ["model.lora.rank=8", "model.lora.dropout=1.0"], r"model.lora.dropout must be in \[0, 1\)"),
+    ("dpo", ["model.lora.rank=8"], "model.lora.rank=8 adapts a base model: set model.pretrained"),
+    ("dpo", ["model.lora.rank=8", "model.pretrained=base", "reference.mode=cpu_swap"],
+     "reference.mode=cpu_swap contradicts model.lora.rank=8"),
+    ("ppo", ["reward.checkpoint=rm", "critic.lora.rank=4", "critic.lora.target_modules=[mlp]"],
+     r"critic.lora.target_modules=\['mlp'\]: unknown mlp"),
+])
+def test_lora_settings_fail_before_launch_naming_the_key(command, overrides, fragment, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "aligner.json").write_text('{"model": {}, "vocab_size": 512}')  # model.pretrained=base: only its metadata is read
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(command, REQUIRED + overrides, world_size=1)
+
+
+def test_lora_reference_defaults(tmp_path, monkeypatch):
+    """reference.mode is unset by default: the second model without LoRA, the base itself with it;
+    precompute stays allowed (computed with the adapters off)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "aligner.json").write_text('{"model": {}, "vocab_size": 512}')
+    assert load_config("dpo", REQUIRED, world_size=1).reference.mode is None
+    cfg = load_config("dpo", REQUIRED + ["model.lora.rank=8", "model.pretrained=base", "reference.mode=precompute"],
+                      world_size=1)
+    assert cfg.model.lora.rank == 8 and cfg.model.lora.target_modules == ["linear_qkv", "linear_proj",
+                                                                          "linear_fc1", "linear_fc2"]

@@ -1,0 +1,90 @@
+"""LoRA through the CLI: GRPO with rank-8 adapters refits bitwise (the engine decodes with the adapted
+weights) at the full model's mismatch level, saves checkpoints of its adapters only that name their
+base, resumes bitwise after SIGKILL; a LoRA checkpoint is a `model.pretrained` and an `aligner generate`
+model (merged), and one whose base changed since is refused, naming both fingerprints."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+
+import pytest
+
+from tests.conftest import read_metrics, run_cli, start_cli
+from tests.e2e.test_rl_loop import grpo, grpo_args
+
+LORA = ("model.lora.rank=8", "model.lora.alpha=16", "generation.check_refit=true", "trainer.max_steps=4",
+        "trainer.save_interval=2")
+KEYS = ("loss", "grad_norm", "reward/mean", "kl/mean", "entropy/mean", "advantages/std")
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_assets, rl_assets, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("lora_straight")
+    return run_dir, grpo(tiny_assets, rl_assets, run_dir, *LORA)
+
+
+def test_grpo_with_adapters_refits_and_saves_only_them(rl_assets, straight):
+    run_dir, metrics = straight
+    trained = [m for m in metrics if "loss" in m]
+    assert len(trained) == 4
+    assert all(m["refit/bitwise"] == 1.0 and m["refit/max_abs_diff"] == 0.0 for m in trained)
+    assert all(m["mismatch/kl"] < 1e-6 and abs(m["mismatch/token_prob_error"] - 1.0) < 1e-5 for m in trained)
+    assert all(m["kl/mean"] >= 0 for m in trained) and trained[-1]["kl/mean"] > 0  # the base as reference
+    ckpt = run_dir / "checkpoints" / "step_000004"
+    meta = json.loads((ckpt / "aligner.json").read_text())
+    base = rl_assets / "sft/checkpoints/step_000040"
+    assert meta["lora"]["rank"] == 8 and meta["lora"]["base"]["path"] == str(base.resolve())
+    assert "lora" not in meta["model"]
+    size = sum(f.stat().st_size for f in (ckpt / "weights").rglob("*") if f.is_file())
+    base_size = sum(f.stat().st_size for f in (base / "weights").rglob("*") if f.is_file())
+    print(f"LoRA checkpoint weights {size} bytes, base {base_size}")
+    assert size < base_size / 5
+
+
+def test_grpo_with_adapters_resumes_bitwise_after_sigkill(tiny_assets, rl_assets, straight, tmp_path):
+    run_dir = tmp_path / "killed"
+    process = start_cli(*grpo_args(tiny_assets, rl_assets, run_dir, *LORA))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # kill it once step 3 is logged (its checkpoint is step 2)
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    resumed = grpo(tiny_assets, rl_assets, run_dir, *LORA)
+    assert [m["step"] for m in resumed] == [m["step"] for m in straight[1]]
+    for ours, ref in zip(resumed, straight[1]):
+        for key in KEYS:
+            assert ours.get(key) == ref.get(key), (ours["step"], key)
+
+
+def test_lora_checkpoint_as_model_and_a_changed_base_is_refused(tiny_assets, rl_assets, straight, tmp_path):
+    """The LoRA checkpoint generates (its base with the adapters merged) and starts the next stage; after
+    its base is rewritten, both refuse it in one line naming the two fingerprints."""
+    run_dir, _ = straight
+    base = tmp_path / "base"
+    shutil.copytree(rl_assets / "sft/checkpoints/step_000040", base)
+    sft = run_cli("train", "sft", f"run_dir={tmp_path / 'sft'}", f"data.train_path={rl_assets / 'sft.jsonl'}",
+                  f"tokenizer.path={tiny_assets / 'tokenizer'}", f"model.pretrained={base}", "model.lora.rank=4",
+                  "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
+                  "logging.progress=false")
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    adapted = tmp_path / "sft/checkpoints/step_000002"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+2="}\n')
+    out = tmp_path / "gen.jsonl"
+    generate = ("generate", "--model", str(adapted), "--prompts", str(prompts), "--out", str(out),
+                "sampling.greedy=true", "sampling.max_new_tokens=4")
+    result = run_cli(*generate)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(out.read_text())["response"]
+    meta = json.loads((base / "aligner.json").read_text())
+    meta["trainer_state"]["step"] = 41  # the base is rewritten (here: its metadata)
+    (base / "aligner.json").write_text(json.dumps(meta))
+    result = run_cli(*generate)
+    expected = json.loads((adapted / "aligner.json").read_text())["lora"]["base"]["fingerprint"]
+    assert result.returncode != 0
+    line = next(line for line in result.stderr.splitlines() if "changed since the adapters were saved" in line)
+    assert f"expected {expected}" in line and str(base.resolve()) in line
