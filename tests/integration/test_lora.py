@@ -48,3 +48,53 @@ def test_parallel_layout_matches_one_process(reference, name):
     assert diff["resumed_adapters"] == 0.0  # the TP=1 checkpoint resharded exactly
     assert diff["resumed_step3_loss"] < 1e-5 and diff["resumed_step3_grad_norm"] < 1e-5
     assert diff["resumed_step3_adapters"] < 1e-5
+
+
+def _tensor_bytes() -> int:
+    """Bytes of every tensor alive in this process (storages counted once)."""
+    import gc
+
+    seen = {}
+    for obj in gc.get_objects():
+        if torch.is_tensor(obj) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def test_the_reference_of_a_lora_run_costs_no_second_copy():
+    """build_reference: reference.mode=model holds a second copy of the weights; with adapters, the policy
+    itself with its adapters off (its logits: the base's), and no new tensor bytes."""
+    from omegaconf import OmegaConf
+
+    from aligner.algorithms.shared.reference import build_reference
+    from aligner.config.schema import ModelConfig
+    from aligner.models import lora
+    from tests.conftest import build_single_process_gpt
+
+    gpt = build_single_process_gpt(11)
+    weights = sum(p.numel() * p.element_size() for p in gpt.parameters())
+    tokens = torch.randint(0, 300, (2, 12))
+    positions = torch.arange(12)[None].expand(2, 12)
+    gpt.eval()
+    with torch.no_grad():
+        base = gpt(tokens, positions, None)
+    plain = OmegaConf.create({"model": OmegaConf.structured(ModelConfig)})
+    before = _tensor_bytes()
+    full = build_reference(plain, gpt, 300, None)
+    second_copy = _tensor_bytes() - before
+    del full
+    adapted_cfg = OmegaConf.create({"model": OmegaConf.structured(ModelConfig(pretrained="base"))})
+    adapted_cfg.model.lora.rank = 4
+    lora.add_adapters(gpt, adapted_cfg.model.lora)
+    with torch.no_grad():
+        for _, adapter in lora.adapters(gpt):
+            adapter.b.normal_()
+    before = _tensor_bytes()
+    reference = build_reference(adapted_cfg, gpt, 300, None)
+    extra = _tensor_bytes() - before
+    print(f"weights {weights} bytes; reference.mode=model adds {second_copy}, the LoRA reference {extra}")
+    assert reference.mode == "adapters" and second_copy >= weights and extra == 0
+    with torch.no_grad():
+        assert torch.equal(reference.run(lambda model: model(tokens, positions, None)), base)
+        assert not torch.equal(gpt(tokens, positions, None), base)  # the adapters are back on after the pass
