@@ -106,6 +106,15 @@ def run(mode: str, workdir: Path, layout: dict) -> None:
                 checkpoint.save_checkpoint(workdir / "lora_step2", model, m, VOCAB, optimizer=optimizer,
                                            trainer_state={"step": 2, "scheduler": scheduler.state_dict()})
     result.update(losses=losses, norms=norms, adapters_3=_adapters(gpt, m))
+    # what TensorRT-LLM's refit and the HF export receive from the live model: the merged weights
+    from aligner.models.weight_stream import iter_hf_weights
+
+    streamed = {k: v.clone() for bucket in iter_hf_weights(model, m, VOCAB) for k, v in bucket.items()}
+    if mode == "reference":
+        result["streamed"] = streamed
+        with torch.no_grad():  # by hand: W + (alpha / r) B A of the TP=1 tensors
+            qkv = gpt.decoder.layers[0].self_attention.linear_qkv
+            result["merged_by_hand"] = qkv.weight + 2.0 * qkv.lora.b @ qkv.lora.a
     if mode == "reference":
         torch.save(result, workdir / "reference.pt")
         distributed.shutdown()
@@ -116,6 +125,11 @@ def run(mode: str, workdir: Path, layout: dict) -> None:
              "grad_norm": max(abs(a - b) for a, b in zip(norms, ref["norms"])),
              "adapters": max((v - _shard(n, ref["adapters_3"][n])).abs().max().item()
                              for n, v in result["adapters_3"].items())}
+    if dist.get_rank() == 0:
+        diffs["streamed"] = max((v - ref["streamed"][k]).abs().max().item() for k, v in streamed.items())
+        assert streamed.keys() == ref["streamed"].keys()
+    else:
+        diffs["streamed"] = 0.0
     # resume the reference's TP=1 checkpoint at this layout, and take step 3 again
     gpt2 = _build(cfg, workdir, mode)
     model2, optimizer2, scheduler2 = wrap_for_training(gpt2, m, cfg.optim)

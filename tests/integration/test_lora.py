@@ -32,6 +32,15 @@ def test_fresh_adapters_and_what_trains(reference):
     assert result["with_grad_buffer"] == expected  # the frozen base has no gradient buffer
     assert result["in_optimizer"] == expected  # ... and no optimizer state
     assert result["losses"][2] < result["losses"][0] < result["base_loss"] + 1e-6
+    # the weight stream (TensorRT-LLM's refit, HF export) carries W + (alpha / r) B A: layer 0's q/k/v rows
+    from aligner.models.hf_weights import Geometry, to_hf
+    from tests.parity_worker import make_config
+
+    m = make_config({})["model"]
+    hf = to_hf("decoder.layers.0.self_attention.linear_qkv.weight", result["merged_by_hand"],
+               Geometry.of(m, 500, 1))
+    for name, tensor in hf.items():
+        assert torch.allclose(result["streamed"][name], tensor, atol=1e-6, rtol=0), name
 
 
 @pytest.mark.dist
@@ -48,6 +57,7 @@ def test_parallel_layout_matches_one_process(reference, name):
     assert diff["resumed_adapters"] == 0.0  # the TP=1 checkpoint resharded exactly
     assert diff["resumed_step3_loss"] < 1e-5 and diff["resumed_step3_grad_norm"] < 1e-5
     assert diff["resumed_step3_adapters"] < 1e-5
+    assert diff["streamed"] < 1e-5  # the merged weights gathered from this layout's shards
 
 
 def _tensor_bytes() -> int:
