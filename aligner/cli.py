@@ -3,8 +3,10 @@
     aligner train sft [hydra overrides]           train (config: conf/sft.yaml; also rm, dpo, orpo, simpo,
                                                   kto, steerlm, spin, grpo, reinforce, ppo, rs, kd)
     aligner serve reward|critic|verifier [overrides]  PyTriton server (conf/serve_<kind>.yaml)
-    aligner convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N]
-    aligner convert mcore-to-hf --ckpt DIR --out DIR [--dtype bfloat16]
+    aligner convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N] [--lora PEFT_DIR]
+                                                  with --lora: the base at OUT/base, a LoRA checkpoint at OUT/lora
+    aligner convert mcore-to-hf --ckpt DIR --out DIR [--dtype bfloat16] [--lora merged|adapter]
+                                                  a LoRA checkpoint merged, or as a PEFT adapter directory
     aligner logprobs --model DIR --data FILE.jsonl --out FILE.jsonl [--tp N --pp N]
     aligner generate --model DIR --prompts FILE.jsonl --out FILE.jsonl [sampling.greedy=true ...]
     aligner rs-generate --model DIR --prompts FILE.jsonl --out FILE.jsonl [rs.top_n=1 reward.functions=[...] ...]
@@ -137,17 +139,27 @@ def convert(argv: list[str]) -> int:
     to_mcore.add_argument("--out", required=True)
     to_mcore.add_argument("--tp", type=int, default=1)
     to_mcore.add_argument("--pp", type=int, default=1)
+    to_mcore.add_argument("--lora", default=None, metavar="PEFT_DIR",
+                          help="also import this PEFT LoRA adapter of --hf: the base is written to OUT/base and a "
+                               "LoRA checkpoint starting from the adapter to OUT/lora (OUT must be new or empty)")
     to_hf = sub.add_parser("mcore-to-hf", help="export an aligner checkpoint to Hugging Face format")
     to_hf.add_argument("--ckpt", required=True)
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    to_hf.add_argument("--lora", default="merged", choices=["merged", "adapter"],
+                       help="a LoRA checkpoint: 'merged' (default) writes its base with the adapters added; "
+                            "'adapter' writes a PEFT adapter directory (adapter_config.json, "
+                            "adapter_model.safetensors) to load on the export of its base")
     args = parser.parse_args(argv)
     from aligner.models import hf_convert  # why: deferred (torch)
 
     if args.direction == "hf-to-mcore":
-        hf_convert.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp)
+        hf_convert.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, lora_dir=args.lora)
+        if args.lora:
+            print(f"wrote {Path(args.out) / 'base'} (the base) and {Path(args.out) / 'lora'} (the LoRA checkpoint)")
+            return 0
     else:
-        hf_convert.mcore_to_hf(args.ckpt, args.out, dtype=args.dtype)
+        hf_convert.mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, lora_mode=args.lora)
     print(f"wrote {args.out}")
     return 0
 

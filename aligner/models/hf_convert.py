@@ -8,7 +8,11 @@ hf_to_mcore  runs tp*pp ranks (in this process when that is 1); each builds its 
              are kept in aligner.json under "hf", so the checkpoint is self-contained.
 mcore_to_hf  builds the model from the checkpoint metadata (TP=PP=1 unless asked; the
              dist-checkpoint reshards on load) and writes config.json plus safetensors shards
-             (with an index when there are several) from `iter_hf_weights`, plus the tokenizer.
+             (with an index when there are several) from `iter_hf_weights`, plus the tokenizer. A LoRA
+             checkpoint exports merged (its base with the adapters added), or with lora="adapter" as a
+             PEFT adapter directory (lora_peft.py), read in this process without building the model.
+hf_to_mcore with `lora` (a PEFT adapter directory) writes the base at <out>/base and a LoRA checkpoint
+             starting from the adapter at <out>/lora (adapters only, its base named by path and fingerprint).
 Both entry points are importable without torch.distributed being initialised. With one rank they
 run in the calling process, where dist_checkpointing starts a multiprocessing helper by *spawn*:
 a script calling them needs the usual `if __name__ == "__main__":` guard.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -30,10 +35,11 @@ from aligner.config.schema import ModelConfig
 from aligner.data.tokenizer import load_tokenizer
 from aligner.errors import UserError
 from aligner.files import atomic_directory
-from aligner.launch.ranks import rank_main, run_ranks
+from aligner.launch.ranks import rank_main, run_ranks, single_process
 from aligner.models import hf_weights as hw
-from aligner.models.checkpoint import (load_weights, model_config_from_checkpoint, read_metadata, save_checkpoint,
-                                      scalar_head_outputs)
+from aligner.models import lora, lora_peft
+from aligner.models.checkpoint import (is_complete, load_weights, lora_base, model_config_from_checkpoint,
+                                      read_metadata, save_checkpoint, scalar_head_outputs)
 from aligner.models.gpt import build_gpt, layer_offset
 from aligner.observe.progress import Progress
 
@@ -121,14 +127,23 @@ def _fresh_output_dir(out_dir) -> Path:
 # ---------------------------------------------------------------------------------------------
 # HF -> megatron
 # ---------------------------------------------------------------------------------------------
-def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str | None = None) -> Path:
+def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str | None = None,
+                lora_dir=None) -> Path:
     """Import a HF Llama / Qwen2 / Mistral directory as an aligner checkpoint saved at TP x PP.
-    `params_dtype` (float32 | bfloat16) defaults to the HF dtype (bfloat16 stays bfloat16, else float32)."""
-    fields = hw.model_fields_from_hf(read_hf_config(hf_dir))  # clear errors before any rank starts
+    `params_dtype` (float32 | bfloat16) defaults to the HF dtype (bfloat16 stays bfloat16, else float32).
+    `lora_dir`, a PEFT adapter of that model: the base goes to <out_dir>/base, and <out_dir>/lora is a LoRA
+    checkpoint holding the adapter (exactly; q/k/v or gate/up with different A's at a larger rank)."""
+    hf_config = read_hf_config(hf_dir)
+    fields = hw.model_fields_from_hf(hf_config)  # clear errors before any rank starts
     _check_layout(fields, tp, pp)
     SafetensorsReader(hf_dir)
+    if lora_dir:
+        if hw.hf_architecture(hf_config) in hw.SEQUENCE_CLASSIFICATION:
+            raise lora_peft.PeftAdapterError(f"{hf_dir} is a reward model; only causal-LM adapters import", "--lora")
+        lora_peft.read_dir(lora_dir, hw.Geometry.of(_model_config(fields, 1, 1), fields["vocab_size"]))
+        _fresh_output_dir(out_dir)
     run_ranks("aligner.models.hf_convert:_import_main",
-              [str(hf_dir), str(out_dir), params_dtype or "", str(tp), str(pp)], tp * pp)
+              [str(hf_dir), str(out_dir), params_dtype or "", str(lora_dir or ""), str(tp), str(pp)], tp * pp)
     return Path(out_dir)
 
 
@@ -137,8 +152,9 @@ def _import_main(argv: list[str], initialised: bool = False) -> None:
 
 
 @torch.no_grad()
-def import_rank(hf_dir, out_dir, params_dtype: str = "", *, tp: int, pp: int) -> None:
-    """Collective, in a process group already set up for (tp, pp): build, fill, save."""
+def import_rank(hf_dir, out_dir, params_dtype: str = "", lora_dir: str = "", *, tp: int, pp: int) -> None:
+    """Collective, in a process group already set up for (tp, pp): build, fill, save (and with `lora_dir`,
+    the base at <out_dir>/base, then the same model with the PEFT adapter's adapters at <out_dir>/lora)."""
     from megatron.core import parallel_state as ps  # megatron: on the ranks only (module comment)
 
     from aligner.runtime.seeding import seed_everything  # imports megatron
@@ -175,19 +191,47 @@ def import_rank(hf_dir, out_dir, params_dtype: str = "", *, tp: int, pp: int) ->
         named = len(labels) == score and labels != [f"LABEL_{i}" for i in range(score)]
         extra["scalar_head"] = {"num_outputs": score, "attributes": labels if named else None, "loss": None}
     tokenizer = TokenizerFiles(hf_dir)
-    save_checkpoint(out_dir, model, cfg, vocab, head="reward" if score else "lm",
-                    tokenizer=tokenizer if tokenizer.files else None, extra_meta=extra)
+    tokenizer = tokenizer if tokenizer.files else None
+    base = Path(out_dir) / "base" if lora_dir else out_dir
+    save_checkpoint(base, model, cfg, vocab, head="reward" if score else "lm", tokenizer=tokenizer, extra_meta=extra)
+    if lora_dir:
+        settings = _add_peft_adapters(model, lora_dir, hw.Geometry.of(cfg, vocab, tp=1), offset)
+        model_cfg = {**OmegaConf.to_container(cfg, resolve=True), "lora": settings, "pretrained": str(base)}
+        save_checkpoint(Path(out_dir) / "lora", model, model_cfg, vocab, tokenizer=tokenizer, extra_meta=extra)
+
+
+def _add_peft_adapters(model, lora_dir, g: hw.Geometry, offset: int) -> dict:
+    """Adapters on `model` (this stage, this TP rank's shards) holding PEFT adapter `lora_dir`'s; returns their
+    "lora" settings. A layer the adapter leaves out keeps a fresh adapter (B = 0: no change)."""
+    from megatron.core import parallel_state as ps  # megatron: on the ranks only (module comment)
+
+    settings, adapters = lora_peft.read_dir(lora_dir, g)
+    lora.add_adapters(model, settings)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for name, adapter in lora.adapters(model):
+        weight = hw.canonical_name(f"{name}.weight", offset)
+        key = (int(weight.split(".")[2]), adapter.target)
+        if key in adapters:
+            a, b = adapters[key]
+            adapter.a.copy_(a if adapter.column else hw.shard(weight, a, tp, tp_rank))
+            adapter.b.copy_(hw.shard(weight, b, tp, tp_rank) if adapter.column else b)
+    return settings
 
 
 # ---------------------------------------------------------------------------------------------
 # megatron -> HF
 # ---------------------------------------------------------------------------------------------
 def mcore_to_hf(ckpt_dir, out_dir, dtype: str | None = None, *, tp: int = 1, pp: int = 1,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, lora_mode: str = "merged") -> Path:
     """Export an aligner checkpoint as a HF directory that `from_pretrained` loads: a language model
     as `*ForCausalLM`, a reward model as `*ForSequenceClassification`. `dtype` (float32 | bfloat16 |
     float16) defaults to the checkpoint's parameter dtype; `tp`/`pp` spread a model too large for
-    one device over several ranks."""
+    one device over several ranks. A LoRA checkpoint exports merged, or with `lora_mode="adapter"` as a
+    PEFT adapter directory for its base's export (`export_peft_adapter`)."""
+    if lora_mode not in ("merged", "adapter"):
+        raise ValueError(f"lora_mode must be 'merged' or 'adapter', got {lora_mode!r}")
+    if lora_mode == "adapter":
+        return export_peft_adapter(ckpt_dir, out_dir, dtype)
     head = read_metadata(ckpt_dir).get("head", "lm")
     if head not in ("lm", "reward"):
         raise ValueError(f"{ckpt_dir} has a '{head}' head; only language and reward models export to HF")
@@ -195,6 +239,50 @@ def mcore_to_hf(ckpt_dir, out_dir, dtype: str | None = None, *, tp: int = 1, pp:
     run_ranks("aligner.models.hf_convert:_export_main",
               [str(ckpt_dir), str(out), dtype or "", str(max_shard_bytes), str(tp), str(pp)], tp * pp)
     return out
+
+
+def export_peft_adapter(ckpt_dir, out_dir, dtype: str | None = None) -> Path:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors), for `PeftModel.from_pretrained` on the HF export of its base. Reads only
+    the adapters, whole (dist_checkpointing reshards any saved layout), in this process."""
+    meta = read_metadata(ckpt_dir)
+    if "lora" not in meta:
+        raise lora_peft.PeftAdapterError(f"{ckpt_dir} is not a LoRA checkpoint (its aligner.json has no \"lora\")",
+                                         "--lora adapter", "export it without --lora adapter")
+    if meta.get("head", "lm") != "lm":
+        raise lora_peft.PeftAdapterError(f"{ckpt_dir} has a '{meta['head']}' head; only language-model adapters "
+                                         "export to PEFT", "--lora adapter", "export it merged (--lora merged)")
+    base = lora_base(ckpt_dir, meta)  # refused when gone or changed: the adapters only mean something on it
+    cfg, vocab = model_config_from_checkpoint(ckpt_dir)
+    out = _fresh_output_dir(out_dir)
+    with single_process():
+        adapters = _checkpoint_adapters(ckpt_dir)
+    tensors = lora_peft.peft_tensors(adapters, hw.Geometry.of(cfg, vocab, tp=1))
+    if dtype:
+        tensors = {k: t.to(getattr(torch, dtype)) for k, t in tensors.items()}
+    return lora_peft.write_dir(out, lora_peft.peft_config(meta["lora"], base), tensors)
+
+
+# dist_checkpointing's key of a LoRA matrix: the layers stacked on a first axis (global layer numbers)
+_ADAPTER_KEY = re.compile(r"^decoder\.layers\.(?:self_attention|mlp)\.(linear_\w+)\.lora\.([ab])$")
+
+
+def _checkpoint_adapters(ckpt_dir) -> dict:
+    """{(layer, target): (A, B)}, whole (TP=1 layout), from a LoRA checkpoint's weights/; needs a process group."""
+    from megatron.core import dist_checkpointing  # megatron: on the ranks only (module comment)
+
+    weights = str(Path(ckpt_dir) / "weights")
+    saved = dist_checkpointing.load_tensors_metadata(weights)
+    wanted = {k: v for k, v in saved.items() if _ADAPTER_KEY.match(k)}
+    unknown = [k for k in saved if lora.is_adapter_parameter(k) and k not in wanted and not k.startswith("optimizer.")]
+    if unknown or not wanted:  # a layout this reader does not know: a bug to fix here, not the user's mistake
+        raise ValueError(f"{ckpt_dir}: adapter entries {unknown or 'absent'}; expected {_ADAPTER_KEY.pattern}")
+    found = {}
+    for key, stacked in dist_checkpointing.load(wanted, weights, validate_access_integrity=False).items():
+        target, which = _ADAPTER_KEY.match(key).groups()
+        for layer, tensor in enumerate(stacked):
+            found.setdefault((layer, target), {})[which] = tensor
+    return {key: (ab["a"], ab["b"]) for key, ab in found.items()}
 
 
 def _export_main(argv: list[str], initialised: bool = False) -> None:
@@ -223,8 +311,7 @@ def export_rank(ckpt_dir, out_dir, dtype: str = "", max_shard_bytes: str | int =
         for _ in buckets:  # take part in the stream
             pass
         return
-    hf = meta.get("hf") or {}
-    tokenizer_dir = Path(ckpt_dir) / "tokenizer"
+    hf, tokenizer_dir = _hf_sources(ckpt_dir, meta)
     architecture = hf.get("architecture")
     if outputs:  # the causal-LM architecture of an imported *ForSequenceClassification
         architecture = hw.SEQUENCE_CLASSIFICATION.get(architecture, architecture)
@@ -234,6 +321,17 @@ def export_rank(ckpt_dir, out_dir, dtype: str = "", max_shard_bytes: str | int =
     g = hw.Geometry.of(cfg, vocab, score_outputs=outputs)
     with Progress(sum(len(hw.hf_names(n, g)) for n in hw.mcore_names(g)), unit="tensor", desc="convert") as progress:
         write_hf_dir(out_dir, config, _counted(buckets, progress), tokenizer_dir, hf.get("generation_config"))
+
+
+def _hf_sources(ckpt_dir, meta: dict) -> tuple[dict, Path]:
+    """(the "hf" metadata, the tokenizer directory) an export takes: the checkpoint's own, else for a LoRA
+    checkpoint its base's."""
+    hf, tokenizer_dir = meta.get("hf"), Path(ckpt_dir) / "tokenizer"
+    base = Path(meta["lora"]["base"]["path"]) if "lora" in meta else None
+    if base is not None and is_complete(base):
+        hf = hf or read_metadata(base).get("hf")
+        tokenizer_dir = tokenizer_dir if tokenizer_dir.is_dir() else base / "tokenizer"
+    return hf or {}, tokenizer_dir
 
 
 def _counted(buckets, progress):
