@@ -186,7 +186,8 @@ def read_adapters(config: dict, tensors: dict[str, torch.Tensor], g: hw.Geometry
     targets = [t for t in TARGETS if t in ranks]
     if not targets:
         raise PeftAdapterError("no lora_A/lora_B tensors of q/k/v/o/gate/up/down_proj", weights)
-    settings = {"rank": rank, "alpha": default_scale * rank, "dropout": float(config.get("lora_dropout") or 0.0),
+    alpha = float(config["lora_alpha"]) * (math.sqrt(rank) if rslora else 1.0)  # alpha / rank = the default scale
+    settings = {"rank": rank, "alpha": alpha, "dropout": float(config.get("lora_dropout") or 0.0),
                 "target_modules": targets}
     if any(r != rank for r in ranks.values()):
         settings["module_ranks"] = {t: r for t, r in ranks.items() if r != rank}
