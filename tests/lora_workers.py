@@ -46,7 +46,6 @@ def _adapters(gpt, m) -> dict:
 def _build(cfg, workdir: Path, mode: str):
     from aligner.models import checkpoint
     from aligner.models.gpt import build_gpt
-    from aligner.models.training import wrap_for_training
     from aligner.runtime.seeding import seed_everything
 
     m = cfg.model
@@ -130,7 +129,25 @@ def run(mode: str, workdir: Path, layout: dict) -> None:
         assert streamed.keys() == ref["streamed"].keys()
     else:
         diffs["streamed"] = 0.0
-    # resume the reference's TP=1 checkpoint at this layout, and take step 3 again
+    # resume the reference's TP=1 checkpoint at this layout, and take step 3 again (a distributed optimizer's
+    # state, sharded over DP, resumes only a checkpoint written by one: checkpoint.OPTIMIZER_METADATA)
+    if not cfg.optim.distributed_optimizer:
+        _resume_step_3(cfg, workdir, mode, micro, forward_step, ref, diffs)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, diffs)
+    if dist.get_rank() == 0:
+        worst = {k: max(d[k] for d in gathered) for k in diffs}
+        name = "_".join(f"{k.split('.')[-1]}={v}" for k, v in sorted(layout.items()))
+        (workdir / f"diff_{name}.json").write_text(json.dumps(worst))
+    distributed.shutdown()
+
+
+def _resume_step_3(cfg, workdir: Path, mode: str, micro, forward_step, ref: dict, diffs: dict) -> None:
+    from aligner.algorithms.shared.training_step import forward_backward, optimizer_step
+    from aligner.models import checkpoint
+    from aligner.models.training import wrap_for_training
+
+    m = cfg.model
     gpt2 = _build(cfg, workdir, mode)
     model2, optimizer2, scheduler2 = wrap_for_training(gpt2, m, cfg.optim)
     state, _ = checkpoint.load_training_state(workdir / "lora_step2", model2, optimizer2)
@@ -144,13 +161,6 @@ def run(mode: str, workdir: Path, layout: dict) -> None:
     diffs["resumed_step3_grad_norm"] = abs(norm - ref["norms"][2])
     diffs["resumed_step3_adapters"] = max((v - _shard(n, ref["adapters_3"][n])).abs().max().item()
                                           for n, v in _adapters(gpt2, m).items())
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, diffs)
-    if dist.get_rank() == 0:
-        worst = {k: max(d[k] for d in gathered) for k in diffs}
-        name = "_".join(f"{k.split('.')[-1]}={v}" for k, v in sorted(layout.items()))
-        (workdir / f"diff_{name}.json").write_text(json.dumps(worst))
-    distributed.shutdown()
 
 
 def main(argv: list[str]) -> None:
