@@ -141,6 +141,8 @@ class Critic:
             # a LoRA critic's frozen base is the reward model itself: scoring switches the adapters off and
             # the head, and no weights are swapped or copied
             self._reward_weights = self._critic_weights = None
+            log.info("the reward model %s is the LoRA critic's frozen base: it scores with the adapters off, "
+                     "no weights swapped", path)
         else:
             self._reward_weights = CpuWeights(_backbone(self.model))
             self._critic_weights = CpuWeights(_backbone(self.model), copy=False)  # filled at the first swap
