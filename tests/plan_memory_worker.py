@@ -16,6 +16,12 @@ OUT_DIR/rank_<RANK>.json:
 * `allocations`, `peak_in`: how many allocation events, and the ops enclosing the allocation that reached
   the peak (innermost first: where in the step the peak falls).
 * `rss_before`, `rss_peak`: VmRSS at the same starting point and VmHWM at the end (the process's peak).
+* `trainable`, `adapter_parameters`: the parameters of the rank's GPTModels that train (requires_grad) and
+  those of them that are LoRA adapters (`<linear>.lora.a/b`), counted after the last step.
+
+A LoRA run adapts a base checkpoint (model.pretrained): when the override `model.pretrained=DIR` names a
+directory that does not exist yet, the worker first saves the seeded model of the run's architecture there
+(one process, TP = PP = 1: loading reshards it), then trains from it as `aligner train` would.
 """
 from __future__ import annotations
 
@@ -62,7 +68,7 @@ def rank(argv: list[str]) -> None:
     from aligner.config.registry import ALGORITHMS
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-    state: dict = {}
+    state: dict = {"models": []}
     build = GPTModel.__init__
 
     def profiled_build(self, *args, **kwargs):
@@ -70,15 +76,57 @@ def rank(argv: list[str]) -> None:
             state["rss_before"] = _status_bytes("VmRSS")
             prof.start()
         build(self, *args, **kwargs)
+        state["models"].append(self)  # kept to count what trained: they live through the run anyway
 
     GPTModel.__init__ = profiled_build
     importlib.import_module(ALGORITHMS[algorithm].entry).main([config_path])
     prof.stop()
     rss_peak = _status_bytes("VmHWM")
     peak, count, where = allocation_peak(prof)
+    trained = [(n, p) for model in state["models"] for n, p in model.named_parameters() if p.requires_grad]
     record = {"tensor_peak": peak, "allocations": count, "peak_in": where, "rss_before": state["rss_before"],
-              "rss_peak": rss_peak}
+              "rss_peak": rss_peak, "trainable": sum(p.numel() for _, p in trained),
+              "adapter_parameters": sum(p.numel() for n, p in trained if ".lora." in f".{n}")}
     Path(out_dir, f"rank_{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+
+
+def base(argv: list[str]) -> None:
+    """One rank: save the seeded model of the config (argv[0], of command argv[1]) at argv[2] (a LoRA run's base)."""
+    from aligner.config.load import load_resolved  # why: deferred as in `rank`: only a launched rank builds models
+    from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+    from aligner.models import checkpoint
+    from aligner.models.policy import build_policy
+    from aligner.runtime import distributed
+
+    config_path, algorithm, path = argv
+    cfg = load_resolved(config_path, algorithm)
+    m = cfg.model
+    distributed.start_training_rank(cfg)
+    vocab_size = model_vocab_size(m, load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path)
+    checkpoint.save_checkpoint(path, build_policy(m, vocab_size), m, vocab_size)
+    distributed.shutdown()
+
+
+def _save_base(algorithm: str, overrides: list[str]) -> None:
+    """The base checkpoint a LoRA run's `model.pretrained=DIR` names, when DIR does not exist yet."""
+    from omegaconf import OmegaConf  # why: deferred as in `main`
+
+    from aligner.config.load import compose_config
+    from aligner.launch.local import launch
+
+    given = dict(o.partition("=")[::2] for o in overrides)
+    path = given.get("model.pretrained")
+    if not path or Path(path).exists():
+        return
+    cfg = compose_config(algorithm, [o for o in overrides if not o.startswith(("model.pretrained=", "model.lora."))])
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        cfg.model[key] = 1
+    cfg.model.sequence_parallel = False
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "base_config.yaml")
+    launch("tests.plan_memory_worker:base", [str(run_dir / "base_config.yaml"), algorithm, path], 1,
+           run_dir / "base_logs")
 
 
 def main(argv: list[str]) -> int:
@@ -88,6 +136,7 @@ def main(argv: list[str]) -> int:
     from aligner.launch.local import launch
 
     algorithm, out_dir, overrides = argv[0], argv[1], argv[2:]
+    _save_base(algorithm, overrides)
     cfg = load_config(algorithm, overrides)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

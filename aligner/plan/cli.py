@@ -165,10 +165,26 @@ def table(result: dict) -> str:
         for name, comp in result["components"].items():
             cells = "".join(f"{comp[k]:>8.2f}" if k in comp else f"{'-':>8}" for k in columns)
             lines.append(f"{name:<11}{comp['gpus']:>6}  {cells}{comp['memory_gib_per_gpu']:>9.2f}  {comp['layout']}")
+        lines += [lora_line(name, comp, result["components"]) for name, comp in result["components"].items()
+                  if "lora" in comp]
         lines.append(f"usable memory per GPU: {result['usable_gib_per_gpu']:.2f} GiB")
         lines.append("step time: " + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in result["timing"].items()))
     lines.append("fits" if result["fits"] else "does not fit:\n  " + "\n  ".join(result["errors"]))
     return "\n".join(lines)
+
+
+def lora_line(name: str, comp: dict, components: dict) -> str:
+    """A LoRA component in words: its rank, what trains, and (the actor) that its reference costs nothing."""
+    lora = comp["lora"]
+    share = lora["adapter_parameters"] / lora["base_parameters"]
+    line = (f"{name} is LoRA rank {lora['rank']} on {', '.join(lora['target_modules'])}: "
+            f"{lora['adapter_parameters'] / 1e6:,.1f}M adapter parameters ({100 * share:.2f}% of the base's "
+            f"{lora['base_parameters'] / 1e9:,.2f}B, frozen: no gradients or optimizer states)")
+    if name == "actor" and "reference" in components:
+        line += "; the reference is the base with the adapters off: no weights of its own"
+    if lora.get("reward_is_base"):
+        line += "; the reward model is its base with the adapters off: nothing swapped or held"
+    return line
 
 
 def main(argv: list[str]) -> int:

@@ -3,15 +3,21 @@ config and a cluster (aligner/plan/layout.py). Formulas: memory.py and timing.py
 
 Components and where they live:
 * `actor`: the trained policy on the trainer's GPUs (weights, fp32 gradient buffer, Adam, activations);
+  with LoRA (model.lora.rank > 0) the frozen base's weights, and its adapters' weights, gradients and Adam
+  states (memory.py's LoRA note); its `lora` entry gives the rank and the adapter parameters;
 * `reference`: the frozen reference (weights only) on the same GPUs with `reference.mode=model`; its
   weights in host memory with `cpu_swap` (swapped in over PCIe for its pass); absent when precomputed or
-  without a KL term;
+  without a KL term; in a LoRA run the actor's base with its adapters off: no memory of its own (its
+  forward pass still costs its time);
 * `generation` (online RL): the in-process Megatron engine decodes with the actor's own weights (refit
   moves no bytes); its KV cache (of at most `generation.batch_size` of the rank's sequences) and the last
   slot's logits exist only while it generates, when the training step's activations do not: its
-  memory_gib_per_gpu is what they need beyond the actor's activations (kv_cache_gib shows the cache);
-* `critic` and `reward` (PPO): the service's GPUs (cluster.service_nodes), the critic trained there,
-  the reward model's weights in host memory, swapped into the critic's parameters to score (PCIe).
+  memory_gib_per_gpu is what they need beyond the actor's activations (kv_cache_gib shows the cache); a
+  LoRA actor's merged weights (merged_gib) exist then too;
+* `critic` and `reward` (PPO): the service's GPUs (cluster.service_nodes), the critic trained there (LoRA
+  with critic.lora.rank > 0: its adapters and value head train), the reward model's weights in host
+  memory, swapped into the critic's parameters to score (PCIe); a LoRA critic whose base is the reward
+  model (critic.checkpoint unset or reward.checkpoint) scores with its adapters off: nothing swapped or held.
 Memory uses the longest sequences the config allows (data.max_length + sampling.max_new_tokens for RL,
 data.max_length otherwise); time uses the mean lengths plan.prompt_length and plan.response_length.
 """
@@ -41,12 +47,24 @@ def _impl(cfg, cluster: Cluster, algorithm: str) -> str:
     return "local" if algorithm == "sft" and not packed else "local_sdpa"
 
 
-def _model_state(shape, params: int, dtype: str, dp: int, distributed: bool, trained: bool) -> dict:
-    out = {"parameters": params, "params_gib": M.weight_bytes(params, dtype) / GIB}
-    if trained:
-        out["grads_gib"] = M.gradient_bytes(params) / GIB
-        out["optimizer_gib"] = M.optimizer_bytes(params, dtype, dp, distributed) / GIB
+def _model_state(params: int, dtype: str, dp: int, distributed: bool, adapters: int | None = None,
+                 head: int = 0) -> dict:
+    """A trained model's weights, gradients and Adam states per GPU; with LoRA (`adapters`: this GPU's adapter
+    parameters) only the adapters and a scalar `head` train, the base's `params` frozen."""
+    trained = params if adapters is None else adapters + head
+    out = {"parameters": params, "params_gib": M.weight_bytes(params + (adapters or 0), dtype) / GIB,
+           "grads_gib": M.gradient_bytes(trained) / GIB,
+           "optimizer_gib": M.optimizer_bytes(trained, dtype, dp, distributed) / GIB}
+    if adapters is not None:
+        out["adapter_parameters"] = adapters
     return out
+
+
+def _lora_entry(shape, lora: M.Lora) -> dict:
+    """The `lora` entry of a LoRA component: what trains, over the whole model."""
+    adapters = M.adapter_parameter_count(shape, lora)
+    return {"rank": lora.rank, "target_modules": list(lora.targets), "adapter_parameters": adapters,
+            "base_parameters": M.parameter_count(shape)}
 
 
 def _samples(cfg) -> int:
@@ -84,26 +102,37 @@ def plan_run(cfg, algorithm: str, cluster: Cluster, lengths: Lengths, vocab_size
     impl = _impl(cfg, cluster, algorithm)
     layout = f"TP{tp} PP{pp} CP{cp} DP{dp}"
     params = M.parameters_per_gpu(shape, tp, pp)
+    lora = M.Lora.of(m.get("lora"))
+    adapters = None if lora is None else M.adapter_parameters_per_gpu(shape, lora, tp, pp)
     acts = M.activation_bytes(shape, seq, t.micro_batch_size * per_sample, micro, tp, pp, cp, sp, dtype, impl,
-                              recompute, logit_tokens=cfg.sampling.max_new_tokens if rl else None)
-    components = {"actor": _component(cluster.gpus, layout, **_model_state(shape, params, dtype, dp,
-                                                                         cfg.optim.distributed_optimizer, True),
+                              recompute, logit_tokens=cfg.sampling.max_new_tokens if rl else None, lora=lora)
+    components = {"actor": _component(cluster.gpus, layout, **_model_state(params, dtype, dp,
+                                                                         cfg.optim.distributed_optimizer, adapters),
                                       activations_gib=acts / GIB)}
+    if lora is not None:
+        components["actor"]["lora"] = _lora_entry(shape, lora)
     if _has_reference(cfg):
         weights = M.weight_bytes(params, dtype) / GIB
         swap = cfg.reference.mode == "cpu_swap"
-        components["reference"] = _component(cluster.gpus, layout, params_gib=0.0 if swap else weights,
-                                             host_gib=weights if swap else 0.0)
+        components["reference"] = (
+            _component(cluster.gpus, layout + " (the actor's base, adapters off)", params_gib=0.0)
+            if lora is not None else _component(cluster.gpus, layout, params_gib=0.0 if swap else weights,
+                                                host_gib=weights if swap else 0.0))
     if rl:  # the engine decodes at most its batch of this DP rank's samples at once
         batch = max(min(cfg.generation.batch_size, _samples(cfg) // dp), 1)
         kv = M.kv_cache_bytes(shape, seq, batch, tp, pp, dtype)
         logits = batch * shape.vocab * 4
+        merged = 0.0 if lora is None else M.merged_weight_bytes(shape, lora, tp, pp, dtype)
         # The KV cache lives only inside a generate call (lean_decode: per call), when no activations are
         # held, and the training step's activations are freed before the next generation: the two never
         # coexist. The trainer's GPUs hold the larger, so generation adds only what exceeds the activations.
-        components["generation"] = _component(cluster.gpus, layout + " (the actor's weights)",
-                                              total_gib=max(0.0, (kv + logits - acts) / GIB),
-                                              kv_cache_gib=kv / GIB, logits_gib=logits / GIB)
+        # A LoRA actor's merged weights are made per generate call too.
+        parts = {"kv_cache_gib": kv / GIB, "logits_gib": logits / GIB}
+        if lora is not None:
+            parts["merged_gib"] = merged / GIB
+        components["generation"] = _component(
+            cluster.gpus, layout + (" (the actor's weights)" if lora is None else " (the actor's weights, merged)"),
+            total_gib=max(0.0, (kv + logits + merged - acts) / GIB), **parts)
     if "critic" in cfg:
         components.update(_service(cfg, cluster, shape, seq, dtype, impl, recompute, vocab_size))
     timing = _step_time(cfg, algorithm, cluster, shape, lengths, dtype, recompute, vocab_size)
@@ -120,15 +149,29 @@ def _service(cfg, cluster: Cluster, shape, seq: int, dtype: str, impl: str, reco
     cdp = max(gpus // (ctp * cpp), 1)
     cshape = M.Shape.of(_with_tp(m, ctp), vocab_size)
     params = M.parameters_per_gpu(cshape, ctp, cpp)
+    lora = M.Lora.of(c.get("lora"))
+    adapters = None if lora is None else M.adapter_parameters_per_gpu(cshape, lora, ctp, cpp)
     micro = max(c.trainer.global_batch_size // (c.trainer.micro_batch_size * cdp), 1)
     acts = M.activation_bytes(cshape, seq, c.trainer.micro_batch_size, micro, ctp, cpp, 1, False, cdtype, impl,
-                              recompute)
+                              recompute, lora=lora)
     layout = f"TP{ctp} PP{cpp} DP{cdp}"
-    critic = _component(gpus, layout, **_model_state(cshape, params, cdtype, cdp, c.optim.distributed_optimizer,
-                                                      True), activations_gib=acts / GIB)
-    reward = _component(gpus, layout + " (swapped into the critic's parameters)",
-                        host_gib=M.weight_bytes(params, cdtype) / GIB)
+    # a LoRA critic trains its value head too (hidden weights, on the last stage)
+    critic = _component(gpus, layout, **_model_state(params, cdtype, cdp, c.optim.distributed_optimizer, adapters,
+                                                      head=cshape.hidden), activations_gib=acts / GIB)
+    if lora is not None:
+        critic["lora"] = {**_lora_entry(cshape, lora), "reward_is_base": _reward_is_critic_base(cfg)}
+    reward = (_component(gpus, layout + " (the critic's base, adapters off)", host_gib=0.0)
+              if _reward_is_critic_base(cfg) else
+              _component(gpus, layout + " (swapped into the critic's parameters)",
+                         host_gib=M.weight_bytes(params, cdtype) / GIB))
     return {"critic": critic, "reward": reward}
+
+
+def _reward_is_critic_base(cfg) -> bool:
+    """A LoRA critic started from the reward model (aligner/servers/critic_server.py): it scores with its
+    adapters off, and no weights are swapped or copied."""
+    c = cfg.critic
+    return M.Lora.of(c.get("lora")) is not None and (not c.checkpoint or c.checkpoint == cfg.reward.get("checkpoint"))
 
 
 class _with_tp:
@@ -149,12 +192,14 @@ def _step_time(cfg, algorithm: str, cluster: Cluster, shape, lengths: Lengths, d
     gpus, dp = cluster.gpus, cluster.gpus // (tp * pp * cp)
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     weights_per_gpu = M.weight_bytes(M.parameters_per_gpu(shape, tp, pp), dtype)
+    lora = M.Lora.of(m.get("lora"))
+    adapters = 0 if lora is None else M.adapter_parameter_count(shape, lora)  # LoRA: the base's weight grads skipped
     out: dict[str, float] = {}
     swap_in = 2 * T.transfer_seconds(weights_per_gpu, hw.pcie_bytes_per_s)  # reference swap in and back
     if "algorithm" not in cfg:  # SFT, DPO and the other offline trainers: one optimizer step
         per_sample = 2 if algorithm in PAIRED else 1
         seqs, seq = t.global_batch_size * per_sample, cfg.data.max_length
-        out["train_s"] = T.train_seconds(shape, seqs, seq, gpus, pp, micro, hw, recompute)
+        out["train_s"] = T.train_seconds(shape, seqs, seq, gpus, pp, micro, hw, recompute, adapters=adapters)
         if _has_reference(cfg):
             out["reference_s"] = T.forward_seconds(shape, seqs, seq, gpus, hw) + (
                 swap_in if cfg.reference.mode == "cpu_swap" else 0.0)
@@ -170,7 +215,8 @@ def _step_time(cfg, algorithm: str, cluster: Cluster, shape, lengths: Lengths, d
     out["logprobs_s"] = T.forward_seconds(shape, samples, tokens, gpus, hw) if old else 0.0
     out["reference_s"] = (T.forward_seconds(shape, samples, tokens, gpus, hw)
                           + (swap_in if cfg.reference.mode == "cpu_swap" else 0.0)) if _has_reference(cfg) else 0.0
-    out["train_s"] = a.ppo_epochs * T.train_seconds(shape, samples, tokens, gpus, pp, micro, hw, recompute)
+    out["train_s"] = a.ppo_epochs * T.train_seconds(shape, samples, tokens, gpus, pp, micro, hw, recompute,
+                                                    adapters=adapters)
     out["refit_s"] = 0.0  # the in-process engine reads the live weights
     actor_path = sum(out.values())
     if not ppo:  # GRPO: the reward functions score while the log-probs run (CPU work, not modelled)
@@ -186,15 +232,17 @@ def _step_time(cfg, algorithm: str, cluster: Cluster, shape, lengths: Lengths, d
     critic_weights = M.weight_bytes(M.parameters_per_gpu(cshape, c.parallel.tensor_model_parallel_size,
                                                          c.parallel.pipeline_model_parallel_size), cdtype)
     chunks = -(-a.prompts_per_step // cfg.generation.batch_size)
+    swaps = 0 if _reward_is_critic_base(cfg) else chunks * 2
     out["critic_infer_s"] = (2 * T.forward_seconds(cshape, samples, tokens, sg, hw)
-                             + chunks * 2 * T.transfer_seconds(critic_weights, hw.pcie_bytes_per_s))
+                             + swaps * T.transfer_seconds(critic_weights, hw.pcie_bytes_per_s))
     service_done = max(out["generate_s"], out["generate_s"] / chunks + out["critic_infer_s"])
     out["critic_wait_s"] = max(0.0, service_done - (out["generate_s"] + out["logprobs_s"] + out["reference_s"]))
     cmicro = max(c.trainer.global_batch_size // (c.trainer.micro_batch_size * max(sg // (
         c.parallel.tensor_model_parallel_size * c.parallel.pipeline_model_parallel_size), 1)), 1)
-    out["critic_train_s"] = c.trainer.epochs * T.train_seconds(cshape, samples, tokens, sg,
-                                                               c.parallel.pipeline_model_parallel_size, cmicro, hw,
-                                                               recompute)
+    clora = M.Lora.of(c.get("lora"))
+    out["critic_train_s"] = c.trainer.epochs * T.train_seconds(
+        cshape, samples, tokens, sg, c.parallel.pipeline_model_parallel_size, cmicro, hw, recompute,
+        adapters=0 if clora is None else M.adapter_parameter_count(cshape, clora))
     out["critic_tail_s"] = max(0.0, out["critic_train_s"] - (out["train_s"] + out["refit_s"]))
     out["round_trips_s"] = (chunks + 2) * T.ROUND_TRIP_S
     out["step_s"] = actor_path + out["critic_wait_s"] + out["critic_tail_s"] + out["round_trips_s"]

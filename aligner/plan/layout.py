@@ -94,6 +94,11 @@ def layout_errors(cfg, cluster: Cluster) -> list[str]:
     """Every layout rule the run breaks (empty: the layout is possible)."""
     m = cfg.model
     errors = model_layout_errors(m, cluster.gpus, cp=m.context_parallel_size)
+    lora = m.get("lora")
+    if lora is not None and lora.rank > 0 and cfg.get("reference") is not None \
+            and cfg.reference.mode in ("model", "cpu_swap"):  # as aligner/config/validate.py refuses it
+        errors.append(f"reference.mode={cfg.reference.mode} contradicts model.lora.rank={lora.rank}: a LoRA run's "
+                      f"reference is its frozen base (the adapters off), with no copy; set reference.mode=null")
     if "algorithm" in cfg and m.context_parallel_size > 1:
         errors.append("online RL generates with the training model, which does not run under context "
                       "parallelism; set model.context_parallel_size=1")

@@ -48,12 +48,31 @@ Conventions (what aligner builds: aligner/models/gpt.py, aligner/models/training
   temporaries, and the activations are freed by then; Adam's states exist from the first step on.
 * KV cache for generation: 2 (K and V) x layers of the stage x tokens x batch x g/t query groups x d
   (Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2).
+* LoRA (aligner/models/lora.py; model.lora.rank = r > 0): the base is frozen, so its weights are all it
+  costs (no gradient buffer, no Adam state), and the reference of DPO/KTO/SPIN/GRPO/PPO is the same weights
+  with the adapters off (no copy). An adapted linear of global input width `in` and output width `out`
+  gets A (r x in) and B (out x r): r (in + out) parameters, which train (fp32 gradient buffer and Adam
+  like any trained parameter). Under TP a column-parallel base (linear_qkv, linear_fc1) keeps A whole and
+  splits B (r in + r out/t a GPU), a row-parallel one (linear_proj, linear_fc2) splits A and keeps B whole
+  (r in/t + r out). Activations are those of full training: the input gradients still flow through every
+  layer, so each keeps what its backward needs (a frozen linear no longer saves its input, but the adapter's
+  A, which reads the same tensor, does), plus per adapted linear the r-wide A x (s*b*r, whole on every TP
+  rank but split along the sequence after a row-parallel base under SP) and, with dropout, the dropped copy
+  of the input that A saves and its one-byte mask. This errs high, on the safe side: measured on CPU
+  (tests/integration/test_plan_memory.py), a LoRA step's peak is 4-7% under it, since a frozen RMSNorm
+  weight needs no saved normalised input, nor a frozen output layer its input, and with dropout the base's
+  inputs that only the linears saved are freed. Generation by the lean decoder (the in-process engine's
+  default) computes with merged weights W + scale B A, made once per generate call for every adapted
+  linear of the stage: a second copy of those matrices while it decodes, plus the merge's fp32 temporaries
+  of the largest one (W in fp32, B A, their sum: 12 bytes an element in bf16; in fp32 W is itself and the sum
+  is the copy kept, 4 more).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+LORA_COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # the other targets (linear_proj, linear_fc2) are row-parallel
 
 
 @dataclass(frozen=True)
@@ -162,25 +181,29 @@ def logits_bytes(s: Shape, tokens: int, batch: int, tp: int, dtype: str) -> floa
 
 def activation_bytes(s: Shape, tokens: int, micro_batch: int, micro_batches: int, tp: int, pp: int, cp: int,
                      sp: bool, dtype: str, impl: str, recompute: str = "none",
-                     logit_tokens: int | None = None) -> float:
+                     logit_tokens: int | None = None, lora: Lora | None = None) -> float:
     """The step's peak of activation memory on the busiest pipeline stage under 1F1B: what the
     micro-batches in flight saved plus the first backward's gradients (the module doc).
     tokens: sequence length (split over CP); micro_batches: per optimizer step on this DP rank;
-    logit_tokens: the positions of a sequence whose logits the loss reads (None: all)."""
+    logit_tokens: the positions of a sequence whose logits the loss reads (None: all);
+    lora: a LoRA run's adapters (their own activations on top of the base's, which are unchanged)."""
     per_rank = tokens // cp
     logit_rows = per_rank if logit_tokens is None else min(logit_tokens, per_rank)
     element = DTYPE_BYTES[dtype]
-    per_layer = layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, recompute)
+    adapters = 0.0 if lora is None else adapter_activation_bytes(s, lora, per_rank, micro_batch, tp, sp, dtype)
+    per_layer = layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, recompute) * element
     stage_layers = s.layers // pp
     sbh = per_rank * micro_batch * s.hidden / (tp if sp else 1)
     backward = layer_backward_elements(s, per_rank, micro_batch, tp, sp) * element
     if recompute == "full":  # one layer's full working set while it is recomputed
-        backward += layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, "none") * element
+        backward += layer_activation_elements(s, per_rank, micro_batch, tp, sp, impl, "none") * element + adapters
+    else:
+        per_layer += adapters
     loss = 2 * sbh * element + logits_bytes(s, logit_rows, micro_batch, tp, dtype)
     buffer = s.heads / tp * per_rank ** 2 * micro_batch * element if impl == "local" else 0.0
 
     def stage(in_flight: int, first: bool, last: bool) -> float:
-        saved = in_flight * (stage_layers * per_layer + (sbh if first else 0)) * element
+        saved = in_flight * (stage_layers * per_layer + (sbh * element if first else 0))
         return saved + buffer + max(backward, loss if last else 0.0)
 
     if pp == 1:
@@ -193,3 +216,70 @@ def kv_cache_bytes(s: Shape, tokens: int, batch: int, tp: int, pp: int, dtype: s
     are split over TP (replicated when TP exceeds them)."""
     groups = max(s.groups / tp, 1)
     return 2 * (s.layers // pp) * tokens * batch * groups * s.head_dim * DTYPE_BYTES[dtype]
+
+
+# ---- LoRA (the module doc) -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Lora:
+    """The adapters of a LoRA run as the formulas see them."""
+
+    rank: int
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+
+    @classmethod
+    def of(cls, lora_cfg) -> "Lora | None":
+        """From a LoraConfig (model.lora, critic.lora); None when absent or rank 0 (full training)."""
+        if lora_cfg is None or int(lora_cfg.get("rank") or 0) <= 0:
+            return None
+        return cls(int(lora_cfg.rank), tuple(lora_cfg.target_modules), float(lora_cfg.get("dropout") or 0.0))
+
+
+def linear_widths(s: Shape) -> dict[str, tuple[int, int]]:
+    """(input, output) width of each linear of a layer, whole (before TP); fc1 is SwiGLU's gate and up."""
+    return {"linear_qkv": (s.hidden, s.qkv_width), "linear_proj": (s.heads * s.head_dim, s.hidden),
+            "linear_fc1": (s.hidden, 2 * s.ffn), "linear_fc2": (s.ffn, s.hidden)}
+
+
+def adapter_layer_parameters(s: Shape, lora: Lora, tp: int = 1) -> int:
+    """A and B of one layer's adapted linears on one TP rank: r (in + out/t) column-parallel,
+    r (in/t + out) row-parallel; tp=1: the layer's whole r (in + out) each."""
+    total = 0
+    for target in lora.targets:
+        fan_in, fan_out = linear_widths(s)[target]
+        split_in, split_out = (fan_in, fan_out // tp) if target in LORA_COLUMN_PARALLEL else (fan_in // tp, fan_out)
+        total += lora.rank * (split_in + split_out)
+    return total
+
+
+def adapter_parameter_count(s: Shape, lora: Lora) -> int:
+    """Every adapter parameter of the model."""
+    return s.layers * adapter_layer_parameters(s, lora)
+
+
+def adapter_parameters_per_gpu(s: Shape, lora: Lora, tp: int, pp: int) -> int:
+    """A GPU's: its stage's layers (the same number on every stage), its TP shards."""
+    return s.layers // pp * adapter_layer_parameters(s, lora, tp)
+
+
+def adapter_activation_bytes(s: Shape, lora: Lora, tokens: int, batch: int, tp: int, sp: bool, dtype: str) -> float:
+    """What one layer's adapters keep for the backward beyond the base's own activations: the r-wide A x of
+    each adapted linear (split along the sequence only after a row-parallel base under SP) and, with
+    dropout, the dropped input (A's saved input; split like the base's) and its bool mask."""
+    element, total = DTYPE_BYTES[dtype], 0.0
+    for target in lora.targets:
+        column = target in LORA_COLUMN_PARALLEL
+        fan_in = linear_widths(s)[target][0]
+        total += tokens * batch * lora.rank / (tp if sp and not column else 1) * element
+        if lora.dropout > 0:
+            split = (tp if sp else 1) if column else tp  # the column base's input: split along s under SP
+            total += tokens * batch * fan_in / split * (element + 1)
+    return total
+
+
+def merged_weight_bytes(s: Shape, lora: Lora, tp: int, pp: int, dtype: str) -> float:
+    """The lean decoder's merged weights W + scale B A of the stage's adapted linears (TP shards), kept for a
+    generate call, plus the merge's fp32 temporaries of the largest one (the module doc)."""
+    local = [fan_in * fan_out / tp for fan_in, fan_out in (linear_widths(s)[t] for t in lora.targets)]
+    temporaries = max(local) * (12 if dtype == "bfloat16" else 4)
+    return s.layers // pp * sum(local) * DTYPE_BYTES[dtype] + temporaries

@@ -16,6 +16,10 @@ plus the attention scores and their weighted sum, 2 x 2 x s x a x d per token an
 product, as Megatron's model FLOPs count it); a training step costs three forward passes (forward,
 backward for inputs, backward for weights), four with full recomputation. The pipeline bubble of 1F1B
 adds (PP - 1) / m of the step for m micro-batches per optimizer step (section 2.2.1).
+LoRA (`adapters`: the model's adapter parameters): the frozen base's matmuls skip their weight gradients
+but not their input gradients, which the adapters below them need: forward 1x + backward 1x instead of
+2x, a third less for the base's matrices. The attention core has no weights (its backward, gradients for
+Q, K and V, stays 2x) and the adapters train in full (3 x 2 FLOPs per adapter parameter and token).
 """
 from __future__ import annotations
 
@@ -37,9 +41,14 @@ def forward_flops(s: Shape, tokens: int, context: int) -> float:
     return 2 * matmul_parameters(s) * tokens + 4 * s.layers * context * s.heads * s.head_dim * tokens
 
 
-def training_flops(s: Shape, tokens: int, context: int, recompute: str = "none") -> float:
-    """Forward + backward (x3), + one more forward under full recomputation (x4)."""
-    return (4 if recompute == "full" else 3) * forward_flops(s, tokens, context)
+def training_flops(s: Shape, tokens: int, context: int, recompute: str = "none", adapters: int = 0) -> float:
+    """Forward + backward (x3), + one more forward under full recomputation (x4). With LoRA (`adapters` > 0)
+    the frozen base's matrices count 2x (+1 recomputed), the attention core and the adapters 3x (+1)."""
+    passes = 4 if recompute == "full" else 3
+    if not adapters:
+        return passes * forward_flops(s, tokens, context)
+    base = 2 * matmul_parameters(s) * tokens
+    return (passes - 1) * base + passes * (forward_flops(s, tokens, context) - base + 2 * adapters * tokens)
 
 
 def compute_seconds(flops: float, gpus: int, hw: Accelerator, fp8: bool = False) -> float:
@@ -53,9 +62,10 @@ def bubble(pp: int, micro_batches: int) -> float:
 
 
 def train_seconds(s: Shape, sequences: int, tokens: int, gpus: int, pp: int, micro_batches: int,
-                  hw: Accelerator, recompute: str = "none", fp8: bool = False) -> float:
-    """`sequences` sequences of `tokens` tokens trained on `gpus` GPUs, with the pipeline bubble."""
-    flops = training_flops(s, sequences * tokens, tokens, recompute)
+                  hw: Accelerator, recompute: str = "none", fp8: bool = False, adapters: int = 0) -> float:
+    """`sequences` sequences of `tokens` tokens trained on `gpus` GPUs, with the pipeline bubble
+    (`adapters`: LoRA's adapter parameters, the base frozen)."""
+    flops = training_flops(s, sequences * tokens, tokens, recompute, adapters)
     return compute_seconds(flops, gpus, hw, fp8) * (1 + bubble(pp, micro_batches))
 
 

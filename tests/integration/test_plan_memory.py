@@ -13,8 +13,11 @@ fragmentation; aligner/runtime/cpu_memory.py keeps freed memory in the process o
 counts the modules imported after the start, gloo's buffers, the data loader and Python objects.
 Sizes: the tiny model with a large micro-batch (activations dominate) and a hidden-512, 8-layer model
 (weights, gradients and Adam dominate), SFT with TP, DPO with PP and a reference, GRPO with DP, the
-distributed optimizer, a reference and the in-process generation engine. Checkpoints, validation and
-TensorBoard are off: they are not part of a training step.
+distributed optimizer, a reference and the in-process generation engine, and DPO with LoRA adapters at TP 2
+(the base frozen: no gradients, no Adam state, no reference copy; the worker saves the base it loads). For
+LoRA the adapter parameters a rank trains are also counted and must equal the plan's exactly (the TP split
+of column- and row-parallel adapters). Checkpoints, validation and TensorBoard are off: they are not part of
+a training step.
 """
 import json
 import random
@@ -45,6 +48,9 @@ CASES = {
                                                        "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
                                                        "sampling.max_new_tokens=48", "data.max_length=64",
                                                        "reward.functions=[arithmetic]", "reward.workers=1"]),
+    "h512 dpo TP2 LoRA r8 (frozen base, no reference copy)": ("dpo", 2, [
+        *H512, "model.tensor_model_parallel_size=2", "model.lora.rank=8", "data.packing=false",
+        "data.overlong=truncate", "trainer.micro_batch_size=2", "trainer.global_batch_size=4"]),
 }
 
 
@@ -72,11 +78,14 @@ def data(tiny_assets, tmp_path_factory, tokenizer):
     return {"sft": sft, "dpo": pref, "grpo": prompts, "tokenizer": tiny_assets / "tokenizer"}
 
 
-def _measure(algorithm: str, nproc: int, overrides: list[str], data, tmp_path) -> int:
+def _measure(algorithm: str, nproc: int, overrides: list[str], data, tmp_path) -> tuple[int, int, int]:
+    """(tensor peak, RSS peak, adapter parameters trained), each the max over ranks."""
     out = tmp_path / "memory"
     out.mkdir()
+    lora = any(o.startswith("model.lora.rank=") for o in overrides)  # a LoRA run adapts a base: the worker saves it
     args = [algorithm, str(out), f"run_dir={tmp_path / 'run'}", f"data.train_path={data[algorithm]}",
-            f"tokenizer.path={data['tokenizer']}", f"launcher.nproc_per_node={nproc}", *COMMON, *overrides]
+            f"tokenizer.path={data['tokenizer']}", f"launcher.nproc_per_node={nproc}", *COMMON, *overrides,
+            *([f"model.pretrained={tmp_path / 'base'}"] if lora else [])]
     result = subprocess.run([sys.executable, "-m", "tests.plan_memory_worker", *args], cwd=REPO, env=cli_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -85,7 +94,8 @@ def _measure(algorithm: str, nproc: int, overrides: list[str], data, tmp_path) -
     for r in ranks:
         print(f"\nrank: tensor peak {r['tensor_peak'] / MIB:.0f} MiB ({r['allocations']} allocations) in "
               f"{' < '.join(r['peak_in'][:4])}; RSS peak {(r['rss_peak'] - r['rss_before']) / MIB:.0f} MiB")
-    return (max(r["tensor_peak"] for r in ranks), max(r["rss_peak"] - r["rss_before"] for r in ranks))
+    return (max(r["tensor_peak"] for r in ranks), max(r["rss_peak"] - r["rss_before"] for r in ranks),
+            max(r["adapter_parameters"] for r in ranks))
 
 
 def _planned(algorithm: str, nproc: int, overrides: list[str], data) -> dict:
@@ -103,7 +113,8 @@ def test_measured_peak_is_within_15_percent_of_the_plan(case, data, tmp_path):
     planned = _planned(algorithm, nproc, overrides, data)
     components = {k: v["memory_gib_per_gpu"] * 1024 for k, v in planned["components"].items()}
     planned_mib = sum(components.values())
-    tensor, rss = _measure(algorithm, nproc, overrides, data, tmp_path)
+    tensor, rss, adapters = _measure(algorithm, nproc, overrides, data, tmp_path)
+    assert adapters == planned["components"]["actor"].get("adapter_parameters", 0)
     measured_mib, rss_mib = tensor / MIB, rss / MIB
     error = measured_mib / planned_mib - 1
     print(f"\n| {case} | {measured_mib:.0f} | {rss_mib:.0f} | {planned_mib:.0f} | {100 * error:+.1f}% | "

@@ -127,3 +127,117 @@ def test_ppo_step_time_matches_nemo_aligner_published(model, nodes, service, pp,
     print(f"{model} {nodes}+{service} nodes: predicted {result['step_time_s']:.1f} s, published {published} s",
           result["timing"])
     assert 1 / PPO_FACTOR < result["step_time_s"] / published < PPO_FACTOR
+
+
+# ---- LoRA: a frozen base, trained adapters, no reference copy ----------------------------------------------
+ALL_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def test_llama3_70b_rank_16_adapters_by_hand():
+    s, lora = shape("llama3_70b", tp=8), M.Lora(16, ALL_LINEARS)
+    # r (in + out) a linear: QKV 8192 -> (64 + 2 x 8) x 128 = 10240, proj 8192 -> 8192, fc1 8192 -> 2 x 28672
+    # (gate and up), fc2 28672 -> 8192
+    layer = 16 * ((8192 + 10240) + (8192 + 8192) + (8192 + 57344) + (28672 + 8192))
+    assert layer == 2_195_456 and M.adapter_parameter_count(s, lora) == 80 * layer == 175_636_480
+    # TP 8: column-parallel QKV and fc1 keep A whole and split B; row-parallel proj and fc2 split A, keep B whole
+    per_gpu_layer = 16 * ((8192 + 10240 // 8) + (8192 // 8 + 8192) + (8192 + 57344 // 8) + (28672 // 8 + 8192))
+    assert per_gpu_layer == 733_184
+    assert M.adapter_parameters_per_gpu(s, lora, 8, 4) == 20 * per_gpu_layer  # PP 4: 20 layers a stage
+    assert M.adapter_parameter_count(s, M.Lora(16, ("linear_qkv",))) == 80 * 16 * (8192 + 10240)
+
+
+def test_llama3_8b_rank_16_has_35_651_584_adapter_parameters():
+    layer = 16 * ((4096 + 6144) + (4096 + 4096) + (4096 + 2 * 14336) + (14336 + 4096))
+    assert M.adapter_parameter_count(shape("llama3_8b"), M.Lora(16, ALL_LINEARS)) == 32 * layer == 35_651_584
+
+
+def test_adapter_activations_and_merged_weights_of_the_tiny_model_by_hand():
+    tiny = M.Shape(4, 128, 4, 4, 32, 512, 512)
+    sb = 256 * 32
+    # the r-wide A x of each of the 4 linears, fp32; under SP at TP 2 the row-parallel ones are split along s
+    assert M.adapter_activation_bytes(tiny, M.Lora(8, ALL_LINEARS), 256, 32, 1, False, "float32") == 4 * sb * 8 * 4
+    assert M.adapter_activation_bytes(tiny, M.Lora(8, ALL_LINEARS), 256, 32, 2, True, "float32") == (
+        4 * sb * 8 * (2 + 2 / 2))
+    # dropout: A's input, dropped, and its bool mask: QKV, proj and fc1 read h = 128, fc2 F = 512 (TP 1)
+    dropped = M.adapter_activation_bytes(tiny, M.Lora(8, ALL_LINEARS, 0.1), 256, 32, 1, False, "float32")
+    assert dropped == 4 * sb * 8 * 4 + sb * (3 * 128 + 512) * (4 + 1)
+    # merged weights: QKV 128 x 384, proj 128 x 128, fc1 128 x 1024, fc2 512 x 128 per layer; fp32: + one
+    # B A of the largest (fc1)
+    matrices = 128 * 384 + 128 * 128 + 128 * 1024 + 512 * 128
+    assert M.merged_weight_bytes(tiny, M.Lora(8, ALL_LINEARS), 1, 1, "float32") == 4 * 4 * matrices + 4 * 128 * 1024
+    # bf16, TP 2, PP 2: 2 layers of half matrices in 2 bytes, + fp32 W, B A and their sum of fc1's half
+    assert M.merged_weight_bytes(tiny, M.Lora(8, ALL_LINEARS), 2, 2, "bfloat16") == (
+        2 * matrices / 2 * 2 + 12 * 128 * 1024 / 2)
+
+
+def test_a_lora_step_skips_the_frozen_bases_weight_gradients():
+    s = shape("llama3_8b")
+    tokens, context, adapters = 4096, 4096, 35_651_584
+    base = 2 * T.matmul_parameters(s) * tokens
+    attention = T.forward_flops(s, tokens, context) - base
+    assert T.training_flops(s, tokens, context) == 3 * (base + attention)
+    lora = T.training_flops(s, tokens, context, adapters=adapters)
+    assert lora == 2 * base + 3 * (attention + 2 * adapters * tokens)
+    assert T.training_flops(s, tokens, context, "full", adapters) == 3 * base + 4 * (attention + 2 * adapters * tokens)
+    assert 0.68 < lora / T.training_flops(s, tokens, context) < 0.75  # about a third less at 4k tokens
+
+
+PPO_70B = ["model=llama3_70b", "model.pipeline_model_parallel_size=4", "critic.parallel.pipeline_model_parallel_size=4",
+           "critic.launcher.nproc_per_node=32", "algorithm.prompts_per_step=256", "trainer.global_batch_size=128",
+           "critic.trainer.global_batch_size=128", "critic.trainer.micro_batch_size=1", "data.max_length=1024",
+           "sampling.max_new_tokens=1024", "model.seq_length=2048", "generation.batch_size=64", "cluster.nodes=4",
+           "cluster.service_nodes=4"]
+
+
+def test_a_lora_plan_has_no_base_gradients_optimizer_states_or_reference_copy():
+    full, lora = plan("ppo", PPO_70B), plan("ppo", [*PPO_70B, "model.lora.rank=16"])
+    assert full["fits"] and lora["fits"], (full["errors"], lora["errors"])
+    actor, gib = lora["components"]["actor"], 2 ** 30
+    adapters = actor["adapter_parameters"]
+    assert adapters == 20 * 733_184
+    assert actor["params_gib"] == round((actor["parameters"] + adapters) * 2 / gib, 3)  # bf16, base + adapters
+    assert actor["grads_gib"] == round(adapters * 4 / gib, 3)  # fp32 buffer of the adapters only
+    assert actor["optimizer_gib"] == round(adapters * 12 / gib, 3)  # bf16: master + m + v (DP 1)
+    assert actor["lora"] == {"rank": 16, "target_modules": list(ALL_LINEARS), "adapter_parameters": 175_636_480,
+                             "base_parameters": M.parameter_count(shape("llama3_70b", tp=8))}
+    assert full["components"]["reference"]["memory_gib_per_gpu"] > 4
+    assert lora["components"]["reference"]["memory_gib_per_gpu"] == 0.0
+    assert lora["components"]["actor"]["activations_gib"] >= full["components"]["actor"]["activations_gib"]
+    assert lora["components"]["generation"]["merged_gib"] > 4  # the lean decoder's merged copy of the matrices
+    assert lora["components"]["critic"] == full["components"]["critic"]  # critic.lora unset: a full critic
+    assert lora["timing"]["train_s"] < 0.75 * full["timing"]["train_s"]
+    assert lora["timing"]["reference_s"] == full["timing"]["reference_s"]  # the base's forward still runs
+
+
+def test_the_plan_says_the_actor_is_lora_and_the_reference_costs_nothing():
+    from aligner.plan.cli import table  # why: the readable form; the module's import gives plan only
+
+    printed = table(plan("ppo", [*PPO_70B, "model.lora.rank=16"]))
+    assert ("actor is LoRA rank 16 on linear_qkv, linear_proj, linear_fc1, linear_fc2: 175.6M adapter parameters "
+            "(0.25% of the base's 70.57B, frozen: no gradients or optimizer states); the reference is the base "
+            "with the adapters off: no weights of its own") in printed
+
+
+def test_a_lora_run_with_a_reference_copy_is_refused():
+    result = plan("grpo", ["model.vocab_size=512", "model.lora.rank=8", "reference.mode=model", "cluster.gpu=cpu",
+                           "cluster.memory_gib=8"])
+    assert not result["fits"]
+    assert result["errors"] == ["reference.mode=model contradicts model.lora.rank=8: a LoRA run's reference is its "
+                                "frozen base (the adapters off), with no copy; set reference.mode=null"]
+
+
+def test_a_lora_critic_trains_its_adapters_and_value_head_only():
+    overrides = [*PPO_70B, "critic.lora.rank=8", "critic.lora.target_modules=[linear_qkv,linear_proj]"]
+    full, result = plan("ppo", PPO_70B), plan("ppo", overrides)
+    critic, s = result["components"]["critic"], shape("llama3_70b", tp=8)
+    lora = M.Lora(8, ("linear_qkv", "linear_proj"))
+    trained = M.adapter_parameters_per_gpu(s, lora, 8, 4) + 8192  # + the value head (hidden x 1)
+    assert critic["adapter_parameters"] == 20 * 8 * ((8192 + 10240 // 8) + (8192 // 8 + 8192))
+    assert critic["grads_gib"] == round(trained * 4 / 2 ** 30, 3)
+    assert critic["lora"]["adapter_parameters"] == M.adapter_parameter_count(s, lora)
+    assert "lora" not in result["components"]["actor"]
+    # its base is the reward model (critic.checkpoint unset): scoring switches the adapters off, no swap
+    assert full["components"]["reward"]["host_gib"] > 4 and result["components"]["reward"]["host_gib"] == 0.0
+    assert result["timing"]["critic_infer_s"] < full["timing"]["critic_infer_s"]
+    swapped = plan("ppo", [*overrides, "critic.checkpoint=/some/other/critic"])
+    assert swapped["components"]["reward"] == full["components"]["reward"]

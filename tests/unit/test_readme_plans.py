@@ -1,9 +1,12 @@
 """The planner tables in README.md and the recipes' READMEs are what `aligner plan` prints today.
 
 A table is a ```text block whose first line is `$ aligner plan ...`; `$(grep -Ev '...' FILE)` in it stands
-for FILE's overrides (one a line, comments and blank lines skipped), as a shell expands it. After a change
-to the planner, `python -m tests.unit.test_readme_plans` rewrites every block with the current output."""
+for FILE's overrides (one a line, comments and blank lines skipped), as a shell expands it. README's LoRA rows
+(`FEWEST`) give the fewest nodes on which a run fits, fully fine-tuned and with LoRA: the layout a row names
+must fit and the next shorter pipeline of the actor, or of the critic, must not. After a change to the
+planner, `python -m tests.unit.test_readme_plans` rewrites every block and row with the current output."""
 import contextlib
+import functools
 import io
 import re
 import shlex
@@ -42,7 +45,8 @@ def blocks() -> list[tuple[Path, str, str]]:
 def test_the_readmes_show_the_plans_the_issue_asks_for():
     commands = " ".join(command for _, command, _ in blocks())
     for needed in ("llama3_70b_ppo/ppo.overrides", "llama31_405b_sft_dpo/sft.overrides",
-                   "llama31_405b_sft_dpo/dpo.overrides", "llama3_8b_sft_dpo/sft.overrides", "cluster.gpu=cpu"):
+                   "llama31_405b_sft_dpo/dpo.overrides", "llama3_8b_sft_dpo/sft.overrides", "cluster.gpu=cpu",
+                   "model.lora.rank=16"):
         assert needed in commands, needed
 
 
@@ -53,10 +57,92 @@ def test_a_readme_plan_is_the_planners_output(readme, command, shown):
     assert printed.strip() == shown.strip(), f"{readme}: rerun `python -m tests.unit.test_readme_plans`"
 
 
+# ---- LoRA against full fine-tuning: the fewest nodes of H100-80GB each fits on (README.md's table) ----------
+# A row's label: (algorithm, overrides file, more overrides). Both at the model file's TP 8 (a node) and DP 1,
+# so a model takes PP nodes; PPO's critic service its own critic PP nodes. LoRA: rank 16 on the four linears
+# of actor and critic, the reference (and the reward model) their bases with the adapters off.
+FEWEST = {
+    "Llama-3-70B PPO, the recipe": ("ppo", "examples/llama3_70b_ppo/ppo.overrides", []),
+    "Llama-3.1-405B PPO, the recipe with `model=llama31_405b`": ("ppo", "examples/llama3_70b_ppo/ppo.overrides",
+                                                                 ["model=llama31_405b"]),
+}
+LORA = ["model.lora.rank=16", "reference.mode=null", "critic.lora.rank=16"]
+LENGTHS = ["plan.prompt_length=512", "plan.response_length=351"]  # the 70B PPO block's mean lengths
+
+
+def _plan(label: str, lora: bool, pp: int, cpp: int) -> dict:
+    from aligner.plan.cli import plan  # why: as plan_output's main, imported where the plans run
+
+    algorithm, path, more = FEWEST[label]
+    return plan(algorithm, [*shlex.split(overrides(path)), *more, *(LORA if lora else []), *LENGTHS,
+                            f"model.pipeline_model_parallel_size={pp}", f"cluster.nodes={pp}",
+                            f"critic.parallel.pipeline_model_parallel_size={cpp}",
+                            f"critic.launcher.nproc_per_node={8 * cpp}", f"cluster.service_nodes={cpp}"])
+
+
+@functools.lru_cache(maxsize=None)
+def _stages(label: str) -> list[int]:
+    from aligner.plan.cli import compose  # why: as _plan's
+
+    algorithm, path, more = FEWEST[label]
+    layers = compose(algorithm, [*shlex.split(overrides(path)), *more]).model.num_layers
+    return [d for d in range(1, layers + 1) if layers % d == 0]  # the pipeline sizes PP may take
+
+
+def _over(result: dict, who: str) -> bool:
+    """Whether `who` ("the trainer's" or "the critic service's") GPUs are short of memory."""
+    return any(e.startswith(who) for e in result["errors"])
+
+
+def fewest(label: str, lora: bool) -> tuple[int, int, float]:
+    """(actor PP, critic PP, step seconds) of the fewest nodes that fit, searched."""
+    stages = _stages(label)
+    pp = next(p for p in stages if not _over(_plan(label, lora, p, stages[-1]), "the trainer's"))
+    cpp = next(c for c in stages if not _over(_plan(label, lora, pp, c), "the critic service's"))
+    return pp, cpp, _plan(label, lora, pp, cpp)["step_time_s"]
+
+
+def checked(label: str, lora: bool, pp: int, cpp: int) -> float:
+    """The step seconds at (pp, cpp), asserting that it fits and the next shorter pipelines do not."""
+    stages = _stages(label)
+    result = _plan(label, lora, pp, cpp)
+    assert result["fits"], (label, lora, result["errors"])
+    if pp > 1:
+        assert _over(_plan(label, lora, stages[stages.index(pp) - 1], cpp), "the trainer's"), (label, lora, pp)
+    if cpp > 1:
+        assert _over(_plan(label, lora, pp, stages[stages.index(cpp) - 1]), "the critic service's"), (label, cpp)
+    return result["step_time_s"]
+
+
+def fewest_row(label: str, full: tuple[int, int, float], lora: tuple[int, int, float]) -> str:
+    def cell(pp, cpp, step):
+        return f"{pp} + {cpp} = {pp + cpp} (PP {pp}, critic PP {cpp}), {step:.0f} s"
+
+    return f"| {label} | {cell(*full)} | {cell(*lora)} | {full[0] + full[1] - lora[0] - lora[1]} |"
+
+
+ROW_LAYOUTS = re.compile(r"PP (\d+), critic PP (\d+)")
+
+
+@pytest.mark.parametrize("label", FEWEST)
+def test_a_lora_row_is_the_fewest_nodes_that_fit(label):
+    line = next((line for line in (REPO / "README.md").read_text().splitlines() if line.startswith(f"| {label} |")),
+                None)
+    assert line is not None, f"README.md has no row {label!r}: rerun `python -m tests.unit.test_readme_plans`"
+    (pp, cpp), (lpp, lcpp) = [tuple(map(int, m)) for m in ROW_LAYOUTS.findall(line)]
+    full = (pp, cpp, checked(label, False, pp, cpp))
+    lora = (lpp, lcpp, checked(label, True, lpp, lcpp))
+    assert line == fewest_row(label, full, lora), "rerun `python -m tests.unit.test_readme_plans`"
+
+
 def rewrite() -> None:
     for readme in READMES:
         text = readme.read_text()
         new = BLOCK.sub(lambda m: f"```text\n{m.group(1)}\n{plan_output(m.group(1))[1].rstrip()}\n```", text)
+        if readme.name == "README.md" and readme.parent == REPO:
+            for label in FEWEST:
+                row = fewest_row(label, fewest(label, False), fewest(label, True))
+                new = re.sub(rf"^\| {re.escape(label)} \|.*$", lambda _: row, new, flags=re.M)
         if new != text:
             readme.write_text(new)
             print(f"updated {readme}", file=sys.stderr)
