@@ -10,6 +10,8 @@ aligner/config, as `aligner train` does), plus the planner's:
     plan.prompt_length, plan.response_length   mean tokens per prompt / generated per sample (RL step time;
                                                default: data.max_length and sampling.max_new_tokens)
 Activation recomputation is the run's own model.recompute (none | selective | full).
+LoRA is the run's own model.lora.rank (PPO's critic: critic.lora.rank): the frozen base, the adapters and no
+reference copy (aligner/plan/memory.py's LoRA note); the table names the rank and the adapter parameters.
 The model's vocabulary is model.vocab_size, else the tokenizer's at tokenizer.path.
 Exit status: 0 the run fits, 1 it does not (each reason in `errors`, with its fix), 2 a usage error.
 """
