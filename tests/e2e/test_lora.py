@@ -60,16 +60,20 @@ def test_grpo_with_adapters_resumes_bitwise_after_sigkill(tiny_assets, rl_assets
             assert ours.get(key) == ref.get(key), (ours["step"], key)
 
 
-def test_lora_checkpoint_as_model_and_a_changed_base_is_refused(tiny_assets, rl_assets, straight, tmp_path):
-    """The LoRA checkpoint generates (its base with the adapters merged) and starts the next stage; after
-    its base is rewritten, both refuse it in one line naming the two fingerprints."""
-    run_dir, _ = straight
+def test_lora_checkpoint_as_model_and_a_changed_base_is_refused(tiny_assets, rl_assets, tmp_path):
+    """A LoRA checkpoint generates (its base with the adapters merged) and is the base of the next LoRA stage;
+    after its own base is rewritten, it and the next stage's checkpoint are refused in one line naming the
+    two fingerprints."""
     base = tmp_path / "base"
     shutil.copytree(rl_assets / "sft/checkpoints/step_000040", base)
-    sft = run_cli("train", "sft", f"run_dir={tmp_path / 'sft'}", f"data.train_path={rl_assets / 'sft.jsonl'}",
-                  f"tokenizer.path={tiny_assets / 'tokenizer'}", f"model.pretrained={base}", "model.lora.rank=4",
-                  "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
-                  "logging.progress=false")
+
+    def sft_args(run_dir, pretrained, steps):
+        return ("train", "sft", f"run_dir={run_dir}", f"data.train_path={rl_assets / 'sft.jsonl'}",
+                f"tokenizer.path={tiny_assets / 'tokenizer'}", f"model.pretrained={pretrained}", "model.lora.rank=4",
+                f"trainer.max_steps={steps}", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
+                "logging.progress=false")
+
+    sft = run_cli(*sft_args(tmp_path / "sft", base, 2))
     assert sft.returncode == 0, sft.stderr[-3000:]
     adapted = tmp_path / "sft/checkpoints/step_000002"
     prompts = tmp_path / "prompts.jsonl"
@@ -80,11 +84,17 @@ def test_lora_checkpoint_as_model_and_a_changed_base_is_refused(tiny_assets, rl_
     result = run_cli(*generate)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(out.read_text())["response"]
+    # the next stage: LoRA again, on the first one's merged weights (a chain of bases)
+    chained = run_cli(*sft_args(tmp_path / "next", adapted, 1))
+    assert chained.returncode == 0, chained.stderr[-3000:]
+    meta = json.loads((tmp_path / "next/checkpoints/step_000001/aligner.json").read_text())
+    assert meta["lora"]["base"]["path"] == str(adapted.resolve())
     meta = json.loads((base / "aligner.json").read_text())
     meta["trainer_state"]["step"] = 41  # the base is rewritten (here: its metadata)
     (base / "aligner.json").write_text(json.dumps(meta))
-    result = run_cli(*generate)
     expected = json.loads((adapted / "aligner.json").read_text())["lora"]["base"]["fingerprint"]
-    assert result.returncode != 0
-    line = next(line for line in result.stderr.splitlines() if "changed since the adapters were saved" in line)
-    assert f"expected {expected}" in line and str(base.resolve()) in line
+    for model in (adapted, tmp_path / "next/checkpoints/step_000001"):  # directly, and as the base of a base
+        result = run_cli(*generate[:2], str(model), *generate[3:])
+        assert result.returncode != 0
+        line = next(line for line in result.stderr.splitlines() if "changed since the adapters were saved" in line)
+        assert f"expected {expected}" in line and str(base.resolve()) in line
