@@ -112,3 +112,32 @@ def test_the_reference_of_a_lora_run_costs_no_second_copy():
     with torch.no_grad():
         assert torch.equal(reference.run(lambda model: model(tokens, positions, None)), base)
         assert not torch.equal(gpt(tokens, positions, None), base)  # the adapters are back on after the pass
+
+
+def test_adapter_dropout_and_the_merged_weight():
+    """Dropout on the adapter's input acts in training only; in eval the adapted linear computes
+    x (W + (alpha / r) B A)^T, the weight the engine and the HF export take (lora.merged_weight)."""
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+
+    from aligner.config.schema import LoraConfig
+    from aligner.models import lora
+    from tests.conftest import build_single_process_gpt
+
+    gpt = build_single_process_gpt(12)
+    lora.add_adapters(gpt, OmegaConf.structured(LoraConfig(rank=4, alpha=8.0, dropout=0.5)))
+    fc2 = gpt.decoder.layers[1].mlp.linear_fc2
+    with torch.no_grad():
+        fc2.lora.b.normal_()
+    x = torch.randn(5, 2, fc2.weight.shape[1])
+    gpt.train()
+    with torch.no_grad():
+        first, second = fc2(x)[0], fc2(x)[0]
+    assert not torch.equal(first, second)
+    gpt.eval()
+    with torch.no_grad():
+        out = fc2(x)[0]
+        assert torch.equal(out, fc2(x)[0])
+        assert torch.allclose(out, F.linear(x, lora.merged_weight(fc2)), atol=1e-5, rtol=0)
+        with lora.disabled(gpt):
+            assert torch.equal(fc2(x)[0], F.linear(x, fc2.weight)) and torch.equal(lora.merged_weight(fc2), fc2.weight)
