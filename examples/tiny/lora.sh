@@ -54,6 +54,6 @@ for name, run in (("full", "ppo"), ("LoRA", "ppo_lora")):
           f"greedy accuracy {val[0]['val/arithmetic_answer/mean']:.3f} -> {val[-1]['val/arithmetic_answer/mean']:.3f}, "
           f"largest kl/mean {max(r.get('kl/mean', 0) for r in rows(run)):.3f}")
 size = lambda run: sum(p.stat().st_size for p in Path(f"{T}/{run}/checkpoints/step_000100/weights").rglob("*"))  # noqa
-print(f"DPO checkpoint weights: full {size('dpo') / 1e6:.1f} MB (+ Adam), LoRA {size('dpo_lora') / 1e6:.2f} MB "
+print(f"DPO checkpoint weights: full {size('dpo') / 1e6:.1f} MB (weights + Adam), LoRA {size('dpo_lora') / 1e6:.2f} MB "
       f"(adapters + their Adam; the base is named, not copied)")
 PY
