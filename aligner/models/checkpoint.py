@@ -267,7 +267,8 @@ def scalar_head_outputs(path) -> int | None:
         return int(meta["scalar_head"]["num_outputs"])
     from megatron.core import dist_checkpointing  # megatron: see the note at the top
 
-    return int(dist_checkpointing.load_tensors_metadata(str(Path(path) / "weights"))["output_layer.weight"].shape[0])
+    tensors = dist_checkpointing.load_tensors_metadata(str(Path(path) / "weights"))
+    return int(tensors["output_layer.weight"].global_shape[0])
 
 
 def load_into_scalar_model(path, model, num_outputs: int) -> bool:
