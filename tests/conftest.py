@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -86,6 +87,17 @@ def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     """`run_cli` without waiting (stdout and stderr piped, text)."""
     return subprocess.Popen([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=cli_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def sigkill_once_logged(process: subprocess.Popen, run_dir, rows: int, timeout: float = 300) -> None:
+    """SIGKILL `process` (a `start_cli` run) as soon as `run_dir`'s metrics.jsonl has `rows` rows."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (Path(run_dir) / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= rows:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
 
 
 def read_metrics(run_dir) -> list[dict]:

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import time
 
 import pytest
 
-from tests.conftest import read_metrics, run_cli, start_cli
+from tests.conftest import run_cli, sigkill_once_logged, start_cli
 from tests.e2e.test_rl_loop import grpo, grpo_args
 
 LORA = ("model.lora.rank=8", "model.lora.alpha=16", "generation.check_refit=true", "trainer.max_steps=4",
@@ -45,14 +43,8 @@ def test_grpo_with_adapters_refits_and_saves_only_them(rl_assets, straight):
 
 def test_grpo_with_adapters_resumes_bitwise_after_sigkill(tiny_assets, rl_assets, straight, tmp_path):
     run_dir = tmp_path / "killed"
-    process = start_cli(*grpo_args(tiny_assets, rl_assets, run_dir, *LORA))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:  # kill it once step 3 is logged (its checkpoint is step 2)
-        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3:
-            break
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    # killed once step 3 is logged (its checkpoint is step 2)
+    sigkill_once_logged(start_cli(*grpo_args(tiny_assets, rl_assets, run_dir, *LORA)), run_dir, 3)
     resumed = grpo(tiny_assets, rl_assets, run_dir, *LORA)
     assert [m["step"] for m in resumed] == [m["step"] for m in straight[1]]
     for ours, ref in zip(resumed, straight[1]):
