@@ -88,3 +88,22 @@ def test_trainer_with_adapters(command, tiny_assets, rl_assets, tmp_path):
     if command == "kd":  # the teacher is the base: the student (base + zero B) equals it at step 1
         assert first["kd/loss"] == pytest.approx(0.0, abs=1e-6) and second["kd/loss"] > 0
         assert all(m["loss"] == pytest.approx(m["kd/loss"] + m["sft/loss"], rel=1e-5) for m in metrics)
+
+
+def test_spin_with_adapters_resumes_inside_an_iteration(tiny_assets, rl_assets, tmp_path):
+    """Two steps per iteration: a run stopped after step 3 resumes inside iteration 1, whose reference (the
+    policy's adapters at step 2) it reads back from the boundary checkpoint; its steps equal a straight run's."""
+    def spin(run_dir, steps):
+        assert_cli_ok(run_cli("train", "spin", f"run_dir={run_dir}", f"tokenizer.path={tiny_assets / 'tokenizer'}",
+                              f"model.pretrained={rl_assets / 'sft/checkpoints/step_000040'}", *COMMON,
+                              *trainer_args("spin", tiny_assets, rl_assets, tmp_path), "spin.steps_per_iteration=2",
+                              f"trainer.max_steps={steps}", "trainer.save_interval=1"))
+        return [m for m in read_metrics(run_dir) if "loss" in m]
+
+    straight = spin(tmp_path / "straight", 4)
+    spin(tmp_path / "resumed", 3)
+    resumed = spin(tmp_path / "resumed", 4)
+    assert [m["spin/iteration"] for m in straight] == [0, 0, 1, 1] and resumed[-1]["step"] == 4
+    for key in ("loss", "reward/chosen", "reward/margin", "grad_norm"):
+        assert resumed[-1][key] == straight[-1][key], key
+    assert abs(straight[-1]["reward/margin"]) > 1e-6  # step 4's reference is step 2's policy, not its own
