@@ -32,3 +32,8 @@ def exits_when(prompt: str, response: str, /, die: bool = False, **fields) -> fl
     if die:
         os._exit(3)
     return 1.0
+
+
+def response_length(prompt: str, response: str, /, **fields) -> float:
+    """The response's length in characters: rewards that differ within a group from the first step."""
+    return float(len(response))

@@ -261,9 +261,11 @@ def _validate_online(cfg, ppo: bool) -> None:
                           f"{s.max_new_tokens} exceed model.seq_length={cfg.model.seq_length}")
     if s.max_new_tokens < 1 or s.temperature <= 0:
         raise ConfigError("sampling.max_new_tokens must be >= 1 and sampling.temperature > 0 (RL samples)")
-    if cfg.model.context_parallel_size > 1:
-        raise ConfigError("online RL generates with the training model, and generation does not run under context "
-                          "parallelism: set model.context_parallel_size=1")
+    if cfg.model.context_parallel_size > 1 and cfg.generation.decode == "megatron":
+        raise ConfigError("under context parallelism each CP rank generates whole sequences with the lean decoder "
+                          "(an extra data-parallel replica of the engine); generation.decode=megatron runs megatron's "
+                          "forward, whose attention splits a sequence over the CP ranks: use generation.decode=auto, "
+                          "or model.context_parallel_size=1")
     if cfg.reference.mode == "precompute":
         raise ConfigError("reference.mode=precompute does not apply to online RL (new samples every step); use "
                           "reference.mode=model or cpu_swap")

@@ -151,12 +151,13 @@ def export_hf(model, model_cfg, vocab_size: int, out_dir, tokenizer_dir=None, ch
 
 
 def _replica() -> tuple[int, bool]:
-    """(this rank's data-parallel replica, whether it is the replica's first rank: TP, PP and CP rank 0)."""
+    """(this rank's replica, whether it is the replica's first rank: TP and PP rank 0). A replica is a
+    data-parallel rank with its context-parallel rank: each CP rank asks for prompts of its own (the loops
+    split them over DP x CP)."""
     from megatron.core import parallel_state as ps  # see above
 
-    first = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
-             and ps.get_context_parallel_rank() == 0)
-    return ps.get_data_parallel_rank(), first
+    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    return ps.get_data_parallel_rank(with_context_parallel=True), first
 
 
 def _rows(rollout: Rollout, start: int, stop: int) -> Rollout:

@@ -6,7 +6,9 @@ prefill through modules built for training. This module runs the same Llama-fami
 (RMSNorm, QKV, RoPE, causal attention, output projection, (Swi)GLU MLP, residuals) with plain torch
 ops on the model's live parameters, so an optimizer step is seen at once and nothing is copied.
 Tensor parallelism is honoured (column-parallel shards local, all-reduce after the row-parallel
-projections, vocab all-gather of the logits); pipeline stages run only their own layers.
+projections, vocab all-gather of the logits); pipeline stages run only their own layers. Context
+parallelism needs nothing: a CP rank holds its TP shard's whole weights, and the decoder attends over
+its own whole cache (no CP collective), so each CP rank generates whole sequences, as a replica.
 
 KV cache: per layer [B, G_local, C, D] keys (rotated) and values, slot s = position s, zero-filled.
 `forward` at slot 0 is the prefill (causal attention over the prompt prefix, which fills slots
@@ -68,7 +70,6 @@ def unsupported_reason(model) -> str | None:
         "qk layernorm": any(_present(layer.self_attention.q_layernorm) for layer in model.decoder.layers),
         "query groups split across TP ranks": c.num_query_groups % c.tensor_model_parallel_size != 0,
         "activation other than silu/gelu": c.activation_func not in (F.silu, F.gelu),
-        "context parallelism": c.context_parallel_size > 1,
     }
     reasons = [name for name, bad in checks.items() if bad]
     return ", ".join(reasons) if reasons else None
@@ -81,12 +82,25 @@ def _plain_rope(model) -> bool:
     return kind == "rope" or (kind == "mrope" and not any(getattr(model, "mrope_section", [0, 1])[1:]))
 
 
+class _OneRank:
+    """A stand-in context-parallel group of one rank (megatron's rotary modules ask only its size): under
+    context parallelism they would return this CP rank's chunks of the table, and the decoder needs all of it."""
+
+    @staticmethod
+    def size() -> int:
+        return 1
+
+
+_ONE_RANK = _OneRank()  # one object: RotaryEmbedding.forward's lru_cache keys on it
+
+
 def rotary_table(model, max_seq: int) -> torch.Tensor:
-    """[max_seq, rot_dim] rotary angles of slots 0..max_seq-1, as megatron's forward computes them."""
+    """[max_seq, rot_dim] rotary angles of slots 0..max_seq-1, as megatron's forward computes them (the
+    whole table, also under context parallelism: the decoder runs whole sequences)."""
     if model.position_embedding_type == "mrope":
         slots = torch.arange(max_seq, device=model.rotary_pos_emb.inv_freq.device).expand(3, 1, -1)
-        return model.rotary_pos_emb(slots, model.mrope_section)[:, 0, 0, :]
-    return model.rotary_pos_emb(max_seq)[:, 0, 0, :]
+        return model.rotary_pos_emb(slots, model.mrope_section, cp_group=_ONE_RANK)[:, 0, 0, :]
+    return model.rotary_pos_emb(max_seq, cp_group=_ONE_RANK)[:, 0, 0, :]
 
 
 def _present(module) -> bool:

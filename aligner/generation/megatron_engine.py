@@ -19,7 +19,9 @@ Parallelism: under TP every rank runs the forward; the sampler (TP rank 0 of the
 samples and broadcasts the tokens to the TP x PP group. Under PP the stages run in turn for each
 step, passing hidden states with send/recv; each stage keeps the KV cache of its own layers only,
 so PP needs no extra weight memory (the cost is that one stage works at a time). Every rank returns
-the same Rollout. Data-parallel replicas are independent engines (give each its own prompts).
+the same Rollout. Data-parallel replicas are independent engines (give each its own prompts), and so
+is every context-parallel rank: the lean decoder runs whole sequences on a CP rank's whole weights
+(megatron's forward, which would split them over the CP ranks, is refused under CP).
 
 During generate the model is in eval mode under torch.inference_mode, sequence parallelism is
 switched off (a decode step has one token per sample) and both are restored afterwards.
@@ -72,6 +74,11 @@ class MegatronEngine:
         if decode == "compiled" and model_cfg.tensor_model_parallel_size > 1:
             raise ValueError("decode='compiled' needs tensor_model_parallel_size=1 (TP's all-reduces sit inside "
                              "the layers); use decode='lean' under TP")
+        if decode == "megatron" and self.gpt.config.context_parallel_size > 1:
+            raise ValueError("decode='megatron' runs megatron's forward, whose attention under context parallelism "
+                             "expects a sequence split over the CP ranks, and each CP rank generates whole sequences"
+                             + (f"; this model needs it ({reason}), so generate with context_parallel_size=1"
+                                if reason else "; use decode='lean'"))
         if decode == "megatron" and all_fused(self.gpt):
             raise ValueError("decode='megatron' does not run on a model with torch's fused attention (the policy "
                              "models of aligner.models.policy); use decode='lean'")

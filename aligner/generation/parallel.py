@@ -42,10 +42,9 @@ class StageLayout:
 
     @classmethod
     def current(cls) -> "StageLayout":
-        """From megatron's parallel state (collective over the TP x PP group on first use)."""
-        if ps.get_context_parallel_world_size() > 1:
-            raise NotImplementedError("generation under context parallelism is not supported; build the "
-                                      "engine's model with context_parallel_size=1")
+        """From megatron's parallel state (collective over the TP x PP group on first use). Context
+        parallelism plays no part: each CP rank is a replica of its own (it holds its TP shard's whole
+        weights) and generates whole sequences (MegatronEngine)."""
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         if tp * pp == 1:

@@ -28,7 +28,8 @@ Context parallelism: each rank holds two load-balanced chunks of every row. A to
 over this rank's positions (the count too); a sequence-level loss needs whole-sequence sums, so the
 partial sums are summed over the CP group first (forward all-reduce, backward identity: each rank's
 gradient reaches only its positions, and megatron's gradient all-reduce over DP x CP adds them once).
-Every CP rank then computes the same loss, and the count and the reports come from CP rank 0 only.
+Every CP rank then computes the same loss, and the count and the reports come from CP rank 0 only
+(`counted_once`; RL's per-response-token values are summed over the CP group the same way, online/loss.py).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from aligner.models.sdpa_attention import BlockDiagonalMask, all_fused
 from aligner.runtime import cpu_shims
 from aligner.runtime.distributed import sum_over_group
 
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "sequence_index", "shared_index")  # sliced for CP
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "sequence_index", "shared_index", "position_ids")  # sliced for CP
 ROW_POSITION_KEYS = ("tokens", "labels", "loss_mask", "returns", "prev_values", "mask")  # sliced for CP
 
 # (model output on this rank's positions, the micro-batch's local tensors) -> values per position
@@ -124,7 +125,7 @@ def sequence_reduction(sequence_loss: Callable[[torch.Tensor, torch.Tensor, dict
 
     def reduce(values, local, batch):
         sums, counts = sequence_sums(values, local, batch)
-        return _counted_once(*sequence_loss(sums, counts, batch))
+        return counted_once(*sequence_loss(sums, counts, batch))
 
     return reduce
 
@@ -134,7 +135,7 @@ def last_token_reduction(score_loss: Callable[[torch.Tensor, dict], tuple]) -> R
     `score_loss(scores [b, k], batch)`; the scores are summed over the CP group."""
 
     def reduce(values, local, batch):
-        return _counted_once(*score_loss(scores_at_row_ends(values, batch["lengths"], local["position_ids"][0]), batch))
+        return counted_once(*score_loss(scores_at_row_ends(values, batch["lengths"], local["position_ids"][0]), batch))
 
     return reduce
 
@@ -251,8 +252,9 @@ def _run_on_sequences(batch: dict, model, output_at_read_positions: bool) -> tup
         return output, local
 
 
-def _counted_once(loss, count, report) -> tuple:
-    """A loss every CP rank computes alike: its count and reports come from CP rank 0 only."""
+def counted_once(loss, count, report) -> tuple:
+    """A loss every CP rank computes alike (from sums over the CP group): its count and reports come from
+    CP rank 0 only, so that the sums over DP x CP ranks count it once."""
     keep = 1.0 if ps.get_context_parallel_rank() == 0 else 0.0
     return loss, count * keep, {k: v * keep for k, v in report.items()}
 

@@ -69,8 +69,9 @@ CASES = [
     Case("unknown command", ("trian", "sft"), 2, ("trian",)),
     Case("missing argument", ("convert", "hf-to-mcore", "--out", "{out}/x"), 2, ("--hf", "aligner convert")),
     Case("unknown reward function", grpo("reward.functions=[no_such_reward]"), 2, ("no_such_reward",)),
-    Case("context parallelism with generation", grpo(TWO_RANKS, "model.context_parallel_size=2"), 2,
-         ("context_parallel_size",)),
+    Case("context parallelism with megatron's decode", grpo(TWO_RANKS, "model.context_parallel_size=2",
+                                                             "generation.decode=megatron"), 2,
+         ("context_parallel_size", "generation.decode=megatron")),
     # files
     Case("missing checkpoint", sft("model.pretrained={out}/nope"), 1, ("model.pretrained", "nope")),
     Case("directory that is no checkpoint", sft("model.pretrained={not_ckpt}"), 1, ("not_ckpt", "checkpoint")),

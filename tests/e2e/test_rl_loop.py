@@ -1,5 +1,5 @@
 """The online-RL loop end to end through the CLI: GRPO learns a rewarded string, a SIGKILLed run resumes
-bitwise, the first step under DP=2 / TP=2 / PP=2 equals one process's, an unscorable sample is masked
+bitwise, the first step under DP=2 / TP=2 / PP=2 / CP=2 equals one process's, an unscorable sample is masked
 out (never scored 0), the REINFORCE preset and DAPO's options run, and bad inputs fail before launch."""
 from __future__ import annotations
 
@@ -94,8 +94,9 @@ def test_grpo_resumes_bitwise_after_sigkill(tiny_assets, rl_assets, straight, tm
 
 @pytest.mark.parametrize("layout", [["launcher.nproc_per_node=2"],
                                     ["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"],
-                                    ["launcher.nproc_per_node=2", "model.pipeline_model_parallel_size=2"]],
-                         ids=["dp2", "tp2", "pp2"])
+                                    ["launcher.nproc_per_node=2", "model.pipeline_model_parallel_size=2"],
+                                    ["launcher.nproc_per_node=2", "model.context_parallel_size=2"]],
+                         ids=["dp2", "tp2", "pp2", "cp2"])
 def test_grpo_first_step_on_two_ranks_matches_one_process(tiny_assets, rl_assets, straight, tmp_path, layout):
     metrics = grpo(tiny_assets, rl_assets, tmp_path / "run", "trainer.max_steps=1", *layout)
     first, ref = metrics[-1], straight[1]
@@ -103,6 +104,28 @@ def test_grpo_first_step_on_two_ranks_matches_one_process(tiny_assets, rl_assets
         assert first[key] == ref[key], key  # the same samples: seeds per sample, not per rank
     for key in ("loss", "grad_norm", "kl/mean", "entropy/mean"):
         assert first[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("options", [
+    ["algorithm.entropy_coef=0.01", "algorithm.importance_sampling.level=token"],
+    ["algorithm.ratio_level=sequence", "algorithm.aggregation=seq_mean_token_sum", "algorithm.kl.mode=reward"]],
+    ids=["token", "sequence"])
+def test_grpo_first_step_under_context_parallelism_matches_one_process(tiny_assets, rl_assets, tmp_path, options):
+    """CP=2 against one process on a step that learns: rewards that differ within groups, two optimizer
+    steps (the second sees a KL, clipping and old log-probs), greedy validation before it. The CP ranks
+    generate as two replicas; the passes split each sequence over them."""
+    runs = [grpo(tiny_assets, rl_assets, tmp_path / name,
+                 f"reward.functions=[{REWARDS}:response_length]", "trainer.global_batch_size=8", "trainer.max_steps=1",
+                 f"data.val_path={rl_assets / 'val.jsonl'}", *options, *layout)
+            for name, layout in (("one", []), ("cp2", ["launcher.nproc_per_node=2", "model.context_parallel_size=2"]))]
+    (val, first), (cp_val, cp_first) = runs
+    assert first["advantages/std"] > 0 and first["kl/mean"] > 0 and first["optimizer_steps"] == 2
+    assert cp_val["val/reward/mean"] == val["val/reward/mean"]
+    assert cp_val["val/response_length/mean"] == val["val/response_length/mean"]
+    for key in ("reward/mean", "response_length/mean", "advantages/std"):
+        assert cp_first[key] == first[key], key  # the same samples: seeds per sample, not per rank
+    for key in ("loss", "grad_norm", "kl/mean", "entropy/mean", "mismatch/kl", "policy/clip_fraction"):
+        assert cp_first[key] == pytest.approx(first[key], rel=1e-5, abs=1e-7), key
 
 
 def test_reinforce_preset_and_dapo_options_run(tiny_assets, rl_assets, tmp_path):
@@ -128,8 +151,8 @@ def test_bad_inputs_fail_before_launch(tiny_assets, rl_assets, tmp_path):
     result = run_cli(*grpo_args(tiny_assets, rl_assets, tmp_path / "run", "reward.functions=[no_such_rule]"))
     assert result.returncode == 2 and "no_such_rule" in result.stderr
     result = run_cli(*grpo_args(tiny_assets, rl_assets, tmp_path / "run", "model.context_parallel_size=2",
-                                "launcher.nproc_per_node=2"))
-    assert result.returncode == 2 and "context parallel" in result.stderr
+                                "launcher.nproc_per_node=2", "generation.decode=megatron"))
+    assert result.returncode == 2 and "generation.decode=megatron" in result.stderr  # CP generates with the lean one
     result = run_cli(*grpo_args(tiny_assets, rl_assets, tmp_path / "run", "algorithm.old_logprobs=engine",
                                 "algorithm.importance_sampling.level=token"))
     assert result.returncode == 2 and "algorithm.old_logprobs=engine" in result.stderr

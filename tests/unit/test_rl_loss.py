@@ -29,7 +29,7 @@ def test_response_values_put_each_token_in_its_sample_row(packing):
     (batch,), _ = rl_micro_batches([group], pad_id=0, packing=packing, multiple=1)
     # a model output whose value at a position is the label it predicts
     values = batch["labels"].float()
-    got = response_values(values, batch)
+    got = response_values(values, batch, batch)  # no context parallelism: this rank holds every position
     expected = torch.tensor([[10, 11, 0, 0], [12, 13, 14, 15], [16, 0, 0, 0]], dtype=torch.float32)
     assert torch.equal(got, expected)
     assert torch.equal(batch["response_mask"], (expected > 0).float())

@@ -18,6 +18,7 @@ gradients by the count summed over every micro-batch and data-parallel rank of t
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
 
 from aligner.algorithms.online import mismatch
 from aligner.algorithms.online.maths import aggregate_loss, kl_penalty, policy_loss
@@ -26,7 +27,9 @@ from aligner.algorithms.online.samples import Sample
 from aligner.data.packing import build_micro_batches
 from aligner.generation.trainer_logprobs import filtered_local_logits
 from aligner.generation.types import SamplingParams
+from aligner.models.forward_step import counted_once
 from aligner.models.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
+from aligner.runtime.distributed import sum_over_group
 
 
 def rl_micro_batches(groups: list[list[Sample]], pad_id: int, packing: dict, multiple: int) -> tuple[list[dict], int]:
@@ -47,14 +50,20 @@ def rl_micro_batches(groups: list[list[Sample]], pad_id: int, packing: dict, mul
     return micro, length
 
 
-def response_values(values: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Per-position values [rows, length] of a sequence batch -> [n, T] per response token (0 past a
-    response's end). Differentiable."""
+def response_values(values: torch.Tensor, local: dict, batch: dict) -> torch.Tensor:
+    """Per-position values [rows, length(, k)] of this CP rank's positions (`local`) of a sequence batch ->
+    [n, T(, k)] per response token (0 past a response's end), whole: under context parallelism each
+    position lives on one CP rank, so the rows are summed over the CP group (backward: each rank's
+    gradient reaches its own positions, `forward_step`'s module doc). Differentiable."""
     n, width = batch["response_mask"].shape
-    read = batch["loss_mask"] > 0
-    sample = batch["sequence_index"][read]
-    column = batch["position_ids"][read] + 1 - batch["response_start"][sample]
-    return values.new_zeros(n, width, dtype=torch.float32).index_put((sample, column), values[read].float())
+    read = local["loss_mask"] > 0
+    sample = local["sequence_index"][read]
+    column = local["position_ids"][read] + 1 - batch["response_start"][sample]
+    rows = values.new_zeros(n, width, *values.shape[2:], dtype=torch.float32)
+    rows = rows.index_put((sample, column), values[read].float())
+    if ps.get_context_parallel_world_size() > 1:
+        rows = sum_over_group(rows, ps.get_context_parallel_group())
+    return rows
 
 
 def token_values(vocab_size: int, params: SamplingParams, entropy_grad: bool):
@@ -82,7 +91,7 @@ def token_logprob_values(vocab_size: int, params: SamplingParams):
 
 def logprobs_output(values: torch.Tensor, local: dict, batch: dict) -> torch.Tensor:
     """A forward-only pass's output: per-response-token log-probs [n, T] (`forward_step.collect`)."""
-    return response_values(values[..., 0], batch)
+    return response_values(values[..., 0], local, batch)
 
 
 class PolicyLoss:
@@ -98,7 +107,7 @@ class PolicyLoss:
 
     def __call__(self, values: torch.Tensor, local: dict, batch: dict):
         a, mask = self.a, batch["response_mask"]
-        logprobs, entropy = response_values(values[..., 0], batch), response_values(values[..., 1], batch)
+        logprobs, entropy = response_values(values, local, batch).unbind(-1)
         old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
         engine = batch["engine_logprobs"]
         # the trainer's log-probs of the rollout policy against the engine's: with old_logprobs=engine the
@@ -124,4 +133,4 @@ class PolicyLoss:
             loss = loss - a.entropy_coef * self._aggregate(entropy, mask)
         count = tokens if a.aggregation == "token_mean" else (mask.sum(-1) > 0).sum().float()
         report["loss"] = loss.detach()
-        return loss, count, report
+        return counted_once(loss, count, report)  # every CP rank computed it on the whole responses

@@ -206,7 +206,8 @@ class PPOTrainer(RLTrainer):
         table = torch.zeros(len(samples), width)
         if self.reference is None:
             return table
-        if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
+                ps.get_context_parallel_rank() == 0:  # CP ranks hold the same whole rows (loss.response_values)
             rows = {id(s): i for i, s in enumerate(samples)}
             k = 0
             for batch in micro:

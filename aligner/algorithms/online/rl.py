@@ -140,7 +140,8 @@ class RLTrainer(RolloutTrainer):
     def sample_kl(self, micro: list[dict], mine: list[Sample], samples: list[Sample]) -> list[float]:
         """Each sample's masked-mean token KL(old policy || reference), shared by every rank."""
         kl = torch.zeros(len(samples))
-        if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
+                ps.get_context_parallel_rank() == 0:  # CP ranks hold the same whole rows (loss.response_values)
             per_sample = []
             for batch in micro:
                 mask = batch["response_mask"]

@@ -81,18 +81,21 @@ class RolloutTrainer(Trainer):
     def generate(self, prompts: list, params: SamplingParams | None = None, generations: int | None = None,
                  first_id: int | None = None) -> list[Sample]:
         """`generations` samples of each prompt, group after group, on every rank. Prompts are split
-        over data-parallel replicas; sample k of the run (counted over consumed prompts) is seeded
-        with (trainer.seed, k), so a sample does not depend on the layout or the batch size."""
+        over the engine's replicas: the data-parallel ones, each context-parallel rank a replica of its
+        own (it holds its TP shard's whole weights, and the engine runs whole sequences); sample k of the
+        run (counted over consumed prompts) is seeded with (trainer.seed, k), so a sample does not depend
+        on the layout or the batch size."""
         params = params or self.params
         n = self.a.num_generations if generations is None else generations
         first_id = self.first_sample_id if first_id is None else first_id
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         share = -(-len(prompts) // dp)
         mine = range(dp_rank * share * n, min(len(prompts), (dp_rank + 1) * share) * n)
         rollout = self.engine.generate([prompts[k // n].ids for k in mine], params,
                                        seeds=[rng.derive_seed(params.seed, first_id + k) for k in mine])
         part = (rollout.responses(), rollout.response_logprobs(), rollout.is_end.tolist())
-        parts = collectives.all_gather_object(part, group=ps.get_data_parallel_group())
+        parts = collectives.all_gather_object(part, group=ps.get_data_parallel_group(with_context_parallel=True))
         responses, logprobs, ends = ([x for p in parts for x in p[i]] for i in range(3))
         return [Sample(prompts[k // n], r, lp, e) for k, (r, lp, e) in enumerate(zip(responses, logprobs, ends))]
 
