@@ -2,7 +2,8 @@
 PPO learns a rewarded string, each actor checkpoint has the critic's of the same step, the critic warms
 up alone, a stalled service is waited for and changes nothing, a SIGKILLed one stops the trainer with
 exit 75 and one line naming it, the re-run resumes both sides and its steps equal an uninterrupted run's,
-and a wrong service layout is refused before anything starts. The Service's retries are checked without
+a TP=2 or CP=2 actor's first step equals one process's, and a wrong service layout is refused before anything
+starts. The Service's retries are checked without
 a service."""
 from __future__ import annotations
 
@@ -243,6 +244,21 @@ def test_first_step_with_a_tp2_actor_a_tp2_service_and_engine_log_probs_matches_
                 "value/explained_variance", "policy/clip_fraction"):
         assert first[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
     assert first["timing/logprobs_s"] < 0.1 * ref["timing/logprobs_s"]  # no forward at all
+
+
+def test_first_step_with_a_cp2_actor_matches_one_process(tiny_assets, rl_assets, tmp_path):
+    """A CP=2 actor (its CP ranks generate as two replicas, its passes split each sequence over them) and a
+    one-rank service: the first step equals a one-process actor's, two optimizer steps of it (old log-probs,
+    a KL, clipping)."""
+    one, cp = (ppo(tiny_assets, rl_assets, tmp_path / name, "trainer.max_steps=1", "trainer.global_batch_size=8",
+                   *layout)[-1]
+               for name, layout in (("one", []), ("cp2", ["launcher.nproc_per_node=2", "model.context_parallel_size=2"])))
+    assert one["optimizer_steps"] == 2 and one["advantages/std"] > 0
+    for key in ("reward/mean", "response_length/mean", "fraction/ended"):
+        assert cp[key] == one[key], key  # the same samples: seeds per sample, not per rank
+    for key in ("loss", "grad_norm", "kl/mean", "entropy/mean", "value/mean", "returns/mean", "advantages/std",
+                "value/loss", "policy/clip_fraction"):
+        assert cp[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
 
 
 # ------------------------------------------------------------------ slurm/ppo.sbatch on the local Slurm cluster
