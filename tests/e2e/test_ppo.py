@@ -3,8 +3,7 @@ PPO learns a rewarded string, each actor checkpoint has the critic's of the same
 up alone, a stalled service is waited for and changes nothing, a SIGKILLed one stops the trainer with
 exit 75 and one line naming it, the re-run resumes both sides and its steps equal an uninterrupted run's,
 a TP=2 or CP=2 actor's first step equals one process's, and a wrong service layout is refused before anything
-starts. The Service's retries are checked without
-a service."""
+starts. The Service's retries are checked without a service."""
 from __future__ import annotations
 
 import os
