@@ -63,6 +63,8 @@ def validate_rs(cfg) -> None:
         raise ConfigError(f"a step keeps up to rs.prompts_per_step x rs.top_n = {kept} samples, which do not split "
                           f"into optimizer steps of trainer.global_batch_size={t.global_batch_size}; use a divisor "
                           f"of {kept}")
-    if cfg.model.context_parallel_size > 1:
-        raise ConfigError("RS generates with the training model, and generation does not run under context "
-                          "parallelism: set model.context_parallel_size=1")
+    if cfg.model.context_parallel_size > 1 and cfg.generation.decode == "megatron":
+        raise ConfigError("under context parallelism each CP rank generates whole sequences with the lean decoder "
+                          "(an extra data-parallel replica of the engine); generation.decode=megatron runs megatron's "
+                          "forward, whose attention splits a sequence over the CP ranks: use generation.decode=auto, "
+                          "or model.context_parallel_size=1")

@@ -1,7 +1,7 @@
 """Rejection sampling end to end (the choice of winners by hand: tests/unit/test_rs_select.py):
 `aligner train rs` through the CLI keeps exactly the best samples of a scripted reward, logs the
-RS metrics and resumes from a checkpoint to the same numbers; `aligner rs-generate` writes SFT records
-that `load_sft_dataset` and `aligner train sft` read."""
+RS metrics, resumes from a checkpoint to the same numbers and takes its first step at CP=2 as one process
+does; `aligner rs-generate` writes SFT records that `load_sft_dataset` and `aligner train sft` read."""
 from __future__ import annotations
 
 import json
@@ -84,6 +84,20 @@ def test_rs_resumes_to_the_same_numbers(tiny_assets, rl_assets, straight, tmp_pa
                     "response_length/mean", "consumed_samples"):
             assert ours[key] == ref[key], (ours["step"], key)
     assert resumed[4]["val/reward/mean"] == reference[4]["val/reward/mean"]
+
+
+def test_rs_first_step_under_context_parallelism_matches_one_process(tiny_assets, rl_assets, straight, tmp_path):
+    """CP=2: the CP ranks generate as two replicas (the same samples, the same greedy validation), and the SFT
+    pass on the winners splits each sequence over them."""
+    run_dir = tmp_path / "run"
+    assert_cli_ok(run_cli(*rs_args(tiny_assets, rl_assets, run_dir, "trainer.max_steps=1", "launcher.nproc_per_node=2",
+                                   "model.context_parallel_size=2")))
+    (val, first), (ref_val, ref) = read_metrics(run_dir), straight[1][:2]
+    assert val["val/reward/mean"] == ref_val["val/reward/mean"]
+    for key in ("reward/mean", "reward/kept_mean", "fraction/accepted", "response_length/mean"):
+        assert first[key] == ref[key], key
+    for key in ("loss", "grad_norm"):
+        assert first[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
 
 
 # ---- aligner rs-generate ------------------------------------------------------------------------------
