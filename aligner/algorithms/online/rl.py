@@ -3,7 +3,8 @@ critic (README, "Online RL"). `RLTrainer.train_step` is one step, top to bottom:
 
   prompts (the shared loop's stateful sampler, `algorithm.prompts_per_step` per step)
   -> generate: `num_generations` samples per prompt with the in-process engine on the live weights,
-     prompts split over data-parallel replicas, sample k of the run seeded with (trainer.seed, k)
+     prompts split over data-parallel replicas (each context-parallel rank one more), sample k of the run
+     seeded with (trainer.seed, k)
   -> score: the reward functions run in their pool (a future) while the trainer computes
   -> old and reference per-token log-probs (forward only; the old ones only when a step makes more
      than one update or the KL goes into the reward, else the first update's own forward gives them)
@@ -14,7 +15,8 @@ critic (README, "Online RL"). `RLTrainer.train_step` is one step, top to bottom:
   -> metrics (README, "What a run shows"), a few rollouts to <run_dir>/rollouts/step_<N>.jsonl; the shared loop
      then validates (greedy `val/reward/mean`, also once before the first step) and checkpoints.
 Every rank holds the step's whole list of samples (each replica generates its share, then they are
-gathered), so advantages are global; each data-parallel rank trains its slice of every minibatch.
+gathered), so advantages are global; each data-parallel rank trains its slice of every minibatch (its CP
+ranks split each sequence, and see whole responses' values: `loss.response_values`).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What every online trainer (GRPO family, REINFORCE, PPO, RS) does around its own step: draw prompts,
-generate on every data-parallel replica with per-sample seeds, score on global rank 0 and share the
-scores, cut the step's samples into this rank's micro-batches, run minibatch updates with the trainer's
-loss step, check the engine's refit, validate greedily, and finish the step's metrics. `RolloutTrainer`
+generate on every data-parallel (and context-parallel) replica with per-sample seeds, score on global
+rank 0 and share the scores, cut the step's samples into this rank's micro-batches, run minibatch updates
+with the trainer's loss step, check the engine's refit, validate greedily, and finish the step's metrics. `RolloutTrainer`
 is their one constructor; `online/rl.py`, `online/ppo_trainer.py` and `online/rs.py` add their steps."""
 from __future__ import annotations
 
