@@ -44,7 +44,7 @@ def setup(tp: int, pp: int, **fields):
     from aligner.runtime import distributed
     from aligner.runtime.seeding import seed_everything
 
-    distributed.init_model_parallel(tp, pp)
+    distributed.init_model_parallel(tp, pp, fields.get("context_parallel_size", 1))
     seed_everything(1)
     m = model_config(tp, pp)
     m.update(fields)
@@ -359,6 +359,30 @@ def phase_parallel(tag: str, tp: int, pp: int, out: dict, ref: dict) -> None:
         out[f"{tag}_sp_restored"] = model.config.sequence_parallel and model.embedding.scatter_to_sequence_parallel
 
 
+def phase_cp(out: dict, ref: dict) -> None:
+    """CP=2: each CP rank generates the whole prompts with the lean decoder on its whole weights, as one
+    process does (greedy and sampled); megatron's decode, whose attention would split the sequence, is refused."""
+    from aligner.generation.megatron_engine import MegatronEngine
+    from aligner.generation.types import SamplingParams
+
+    model, m = setup(1, 1, context_parallel_size=2)
+    load_full_state(model, m, ref["state"])
+    ps_ = prompts()
+    engine = MegatronEngine(model, m, VOCAB, eos_id=None)
+    out["cp2_decode_auto"] = engine.decode
+    roll = engine.generate(ps_, SamplingParams(greedy=True, max_new_tokens=MAX_NEW))
+    out["cp2_lean_greedy_equal"] = roll.responses() == ref["greedy"]
+    out["cp2_lean_greedy_logprob_diff"] = max_diff(roll.response_logprobs(), ref["greedy_logprobs"])
+    roll = engine.generate(ps_, SamplingParams(max_new_tokens=MAX_NEW, seed=5, **SAMPLED))
+    out["cp2_lean_sampled_equal"] = roll.responses() == ref["sampled"]
+    out["cp2_lean_sampled_logprob_diff"] = max_diff(roll.response_logprobs(), ref["sampled_logprobs"])
+    try:
+        MegatronEngine(model, m, VOCAB, eos_id=None, decode="megatron")
+        out["cp2_megatron_refused"] = False
+    except ValueError as e:
+        out["cp2_megatron_refused"] = "context parallelism" in str(e)
+
+
 def main(argv: list[str]) -> None:
     from aligner.runtime import distributed
 
@@ -369,6 +393,7 @@ def main(argv: list[str]) -> None:
     phase_tp1(workdir, out, ref)
     phase_parallel("tp2", 2, 1, out, ref)
     phase_parallel("pp2", 1, 2, out, ref)
+    phase_cp(out, ref)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
     if dist.get_rank() == 0:

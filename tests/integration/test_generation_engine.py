@@ -1,4 +1,4 @@
-"""MegatronEngine on 2 ranks (TP=1 x DP=2, TP=2, PP=2) and `aligner generate` (TP=2), against
+"""MegatronEngine on 2 ranks (TP=1 x DP=2, TP=2, PP=2, CP=2) and `aligner generate` (TP=2), against
 recomputation without a KV cache and trainer-side log-probs. One launch runs every engine check
 (tests/generation_workers.py); the tests below read its results.
 
@@ -63,6 +63,15 @@ def test_sampling_same_across_decode_paths_and_layouts(results):
           *(f"{tag}_{mode}_sampled_equal" for tag in ("tp2", "pp2") for mode in MODES[tag]))
     _small(results, "tp1_sampled_paths_logprob_diff", "tp1_hot_paths_logprob_diff",
            *(f"{tag}_{mode}_sampled_logprob_diff" for tag in ("tp2", "pp2") for mode in MODES[tag]))
+
+
+@pytest.mark.dist
+def test_context_parallel_ranks_generate_whole_sequences_as_one_process(results):
+    """Under CP=2 every CP rank is a replica of its own: the lean decoder's tokens equal one process's and
+    megatron's decode path, which would split the sequence over the CP ranks, is refused."""
+    assert results["cp2_decode_auto"] == "lean"
+    _true(results, "cp2_lean_greedy_equal", "cp2_lean_sampled_equal", "cp2_megatron_refused")
+    _small(results, "cp2_lean_greedy_logprob_diff", "cp2_lean_sampled_logprob_diff")
 
 
 @pytest.mark.dist
