@@ -92,8 +92,9 @@ def _adopt_checkpoint_architecture(cfg) -> None:
                         "with `aligner convert hf-to-mcore` first")
     architecture = json.loads(meta_path.read_text())["model"]
     for key, value in architecture.items():
+        # training-time choices stay this run's own (`lora`: how a model is trained, not what it is)
         if key in cfg.model and key not in ("hidden_dropout", "attention_dropout", "seq_length",
-                                            "max_position_embeddings", "transformer_impl", "params_dtype"):
+                                            "max_position_embeddings", "transformer_impl", "params_dtype", "lora"):
             cfg.model[key] = value
     cfg.model.vocab_size = json.loads(meta_path.read_text())["vocab_size"]
 
