@@ -185,11 +185,6 @@ def _load_module(inner, state: dict, path, frozen_ok: bool = False) -> None:
     checkpoint_keys.check_module_keys(missing, unexpected, checkpoint_keys.te_extra_state_names(inner), str(path))
 
 
-def base_entries(inner) -> dict:
-    """The model's sharded state dict without its adapters."""
-    return {k: v for k, v in inner.sharded_state_dict().items() if not lora.is_adapter_parameter(k)}
-
-
 def trainable_entries(inner) -> dict:
     """The sharded state dict of what trains: the adapters (and a scalar head) of a LoRA model."""
     trainable = {n for n, p in inner.named_parameters() if p.requires_grad}
@@ -208,11 +203,13 @@ def _load_into(path, inner, num_outputs: int | None) -> bool:
     adapters in. Returns whether the head loaded."""
     meta = read_metadata(path)
     with_head = num_outputs is None or scalar_head_outputs(path) == num_outputs
-    head_keys = [k for k in inner.sharded_state_dict() if k.startswith("output_layer.")]
+    everything = inner.sharded_state_dict()  # built once: at 405B it is a ShardedTensor per parameter
+    head_keys = {k for k in everything if k.startswith("output_layer.")}
+    head_ids = frozenset(everything[k].key for k in head_keys)  # the checkpoint's names of the head
     if "lora" not in meta:
-        sharded = {k: v for k, v in base_entries(inner).items() if with_head or k not in head_keys}
-        skipped = frozenset() if with_head else frozenset(inner.sharded_state_dict()[k].key for k in head_keys)
-        loaded = _load_checked(path, inner, {"model": sharded}, skipped)["model"]
+        sharded = {k: v for k, v in everything.items()
+                   if not lora.is_adapter_parameter(k) and (with_head or k not in head_keys)}
+        loaded = _load_checked(path, inner, {"model": sharded}, frozenset() if with_head else head_ids)["model"]
         missing, unexpected = inner.load_state_dict(loaded, strict=False)
         missing = [k for k in missing if not lora.is_adapter_parameter(k) and (with_head or k not in head_keys)]
         checkpoint_keys.check_module_keys(missing, unexpected, checkpoint_keys.te_extra_state_names(inner), str(path))
@@ -222,10 +219,9 @@ def _load_into(path, inner, num_outputs: int | None) -> bool:
     theirs = lora.new_adapters(inner, meta["lora"])
     ours = [(module, lora.attach(module, adapter)) for module, adapter in theirs]
     try:
-        entries = {k: v for k, v in inner.sharded_state_dict().items()
+        entries = {k: v for k, v in inner.sharded_state_dict().items()  # now with their adapters' entries
                    if lora.is_adapter_parameter(k) or (saved_head and k in head_keys)}
-        skipped = frozenset() if saved_head or not meta["lora"].get("trained_head") else frozenset(
-            inner.sharded_state_dict()[k].key for k in head_keys)
+        skipped = frozenset() if saved_head or not meta["lora"].get("trained_head") else head_ids
         loaded = _load_checked(path, inner, {"model": entries}, skipped)["model"]
         inner.load_state_dict(loaded, strict=False)
         with torch.no_grad():
