@@ -1,7 +1,10 @@
 """Shared fixtures and helpers (test modules import the helpers as `from tests.conftest import ...`):
 the tiny tokenizers and synthetic data, the online-RL assets (an SFT policy and prompt files) and a
 local Slurm cluster, each built once per test session; running the `aligner` CLI in a subprocess (each
-run gets a clean process, like a user's) and reading its metrics; a tiny model on this one process."""
+run gets a clean process, like a user's) and reading its metrics; a tiny model on this one process.
+The session starts a zygote (aligner/launch/zygote.py) that has imported torch, megatron-core and aligner
+once: CLI runs, their ranks and servers fork from it instead of paying ~5 s of imports each
+(ALIGNER_TEST_ZYGOTE=0 turns it off)."""
 from __future__ import annotations
 
 import json
@@ -9,10 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+from aligner.launch.zygote import ZYGOTE_VARIABLE, popen
 
 REPO = Path(__file__).resolve().parent.parent
 TIERS = ("unit", "integration", "e2e")
@@ -24,6 +30,29 @@ def pytest_collection_modifyitems(items):
         tier = Path(item.fspath).parent.name
         if tier in TIERS:
             item.add_marker(tier)
+
+
+_zygote: subprocess.Popen | None = None
+
+
+def pytest_configure(config):
+    """Start the session's zygote; processes start without it until its imports are done (module doc)."""
+    global _zygote
+
+    if os.environ.get("ALIGNER_TEST_ZYGOTE", "0") == "0" or os.environ.get(ZYGOTE_VARIABLE):
+        return
+    where = Path(tempfile.mkdtemp(prefix="aligner-zygote-"))
+    with open(where / "zygote.log", "w") as log:
+        _zygote = subprocess.Popen([sys.executable, "-m", "aligner.launch.zygote", str(where / "socket")], cwd=REPO,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL,
+                                   stdout=log, stderr=subprocess.STDOUT)
+    os.environ[ZYGOTE_VARIABLE] = str(where / "socket")
+
+
+def pytest_unconfigure(config):
+    if _zygote is not None:
+        _zygote.terminate()
+        _zygote.wait()
 
 
 UNIT_BUDGET_S = 5.0  # a unit test slower than this belongs in tests/integration (or needs a smaller shape)
@@ -75,8 +104,13 @@ def cli_env(env: dict | None = None) -> dict:
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=cli_env(env),
-                          capture_output=True, text=True, timeout=timeout)
+    with start_cli(*args, env=env) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def assert_cli_ok(result: subprocess.CompletedProcess) -> None:
@@ -85,8 +119,8 @@ def assert_cli_ok(result: subprocess.CompletedProcess) -> None:
 
 def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     """`run_cli` without waiting (stdout and stderr piped, text)."""
-    return subprocess.Popen([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=cli_env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return popen([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=cli_env(env),
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def sigkill_once_logged(process: subprocess.Popen, run_dir, rows: int, timeout: float = 300) -> None:

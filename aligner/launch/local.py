@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from aligner.errors import ReportedFailure, read_rank_error
+from aligner.launch.zygote import popen
 from aligner.runtime.ports import free_port
 from aligner.runtime import preemption
 from aligner.runtime.preemption import EXIT_PREEMPTED, STOP_SIGNAL
@@ -93,8 +94,8 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
                     out = open(log_dir / f"rank_{rank}.log", "w")
                     logs.append(out)
                 cmd = [sys.executable, "-m", "aligner.launch.worker", entry, *args]
-                procs.append(subprocess.Popen(cmd, env=_rank_env(rank, nproc, port, threads_per_rank, error_file),
-                                              stdout=out, stderr=subprocess.STDOUT if out else None))
+                procs.append(popen(cmd, env=_rank_env(rank, nproc, port, threads_per_rank, error_file),
+                                   stdout=out, stderr=subprocess.STDOUT if out else None))
             signal.signal(signal.SIGTERM, forward)
             signal.signal(signal.SIGINT, forward)
             preemption.on_request(pass_on)

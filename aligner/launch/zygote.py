@@ -1,0 +1,290 @@
+"""A warm process that forks ready-imported Python processes on request: start-up in milliseconds.
+
+Every rank, command and server spends its first ~5 s of CPU importing torch, megatron-core and transformers
+before it does any work. Most jobs of the test suite, and of a laptop's edit-run loop, are short enough for
+that to be most of their time. `serve` imports those libraries and aligner once, then forks one child per
+request. The child becomes `python -m MODULE ARGS...` with the requester's environment, working directory,
+signal mask, process group (or a new session) and standard streams, as a freshly executed interpreter would.
+
+    python -m aligner.launch.zygote SOCKET &   # imports once (seconds), then serves until its parent exits
+    ALIGNER_ZYGOTE=SOCKET aligner train ...    # its ranks start through it
+
+`popen` is what the launcher, the server starter and the tests' CLI helpers call instead of
+subprocess.Popen: through the zygote when `ALIGNER_ZYGOTE` names a live one, else a plain Popen. Only a
+process's parent can wait for it, so the zygote sends each child's wait status back on the request's
+connection, and `ZygoteProcess` (a Popen) reads it there; signals go to the child's pid directly.
+
+What differs from a fresh interpreter: dependencies' import-time warnings were shown once, by the zygote;
+hash randomisation is the zygote's. Under Slurm `popen` never uses it: a job's processes must stay in the
+job's allocation and receive its signals.
+"""
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+import warnings
+from pathlib import Path
+
+ZYGOTE_VARIABLE = "ALIGNER_ZYGOTE"
+# what a rank, a command or a server imports before its first line of work (the seconds a fork saves)
+PRELOAD = ("torch", "torch._dynamo", "numpy", "transformers", "safetensors", "omegaconf", "megatron.core",
+           "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.dist_checkpointing",
+           "megatron.core.distributed", "megatron.core.pipeline_parallel", "aligner")
+_WORD = struct.Struct("!q")  # a pid, then a wait status: fixed-size, so that select() sees exactly what is unread
+
+
+# ---- the zygote -------------------------------------------------------------------------------------------
+
+def preload(modules=PRELOAD) -> None:
+    """Import `modules` and, for "aligner", every module of the package, warnings held back (module doc)."""
+    import importlib  # why here: only the zygote preloads; a requester needs none of this
+    import pkgutil
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in modules:
+            module = importlib.import_module(name)
+            if name == "aligner":
+                for info in pkgutil.walk_packages(module.__path__, "aligner."):
+                    try:
+                        importlib.import_module(info.name)
+                    except ImportError:  # an optional dependency (TensorRT-LLM, Transformer Engine) is absent
+                        pass
+
+
+def serve(path: str | Path, modules=PRELOAD) -> None:
+    """Preload, then fork a child for each request on the Unix socket `path` until our parent exits.
+    One thread only: a fork copies just the calling thread, so there must be no other to hold a lock."""
+    preload(modules)
+    parent, me = os.getppid(), os.getpid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    partial = f"{path}.{me}"
+    listener.bind(partial)
+    listener.listen(128)
+    os.replace(partial, path)  # the socket appears only once the imports are done
+    children: dict[int, socket.socket] = {}
+    try:
+        while os.getppid() == parent:
+            if select.select([listener], [], [], 0.02)[0]:
+                connection, _ = listener.accept()
+                request, fds = _receive(connection)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _become(request, fds)  # never returns: the child exits from there
+                for fd in fds:
+                    os.close(fd)
+                connection.sendall(_WORD.pack(pid))
+                children[pid] = connection
+            _report_exits(children)
+    finally:
+        if os.getpid() == me:
+            Path(path).unlink(missing_ok=True)
+
+
+def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
+    head, fds, _, _ = socket.recv_fds(connection, 65536, 3)
+    (size,) = _WORD.unpack(head[:_WORD.size])
+    body = bytearray(head[_WORD.size:])
+    while len(body) < size:
+        body += connection.recv(size - len(body))
+    return json.loads(body), fds
+
+
+def _report_exits(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is not None:
+            try:
+                connection.sendall(_WORD.pack(status))
+            except OSError:  # the requester is gone; so be it
+                pass
+            connection.close()
+
+
+def _become(request: dict, fds: list[int]) -> None:
+    """In the forked child: take the requester's process context, then run the module as `python -m`."""
+    if request["new_session"]:
+        os.setsid()
+    else:
+        try:
+            os.setpgid(0, request["pgid"])  # the requester's group: signals to it reach us, as they would a Popen child
+        except OSError:
+            pass
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # Popen's close_fds: the zygote's sockets are not the child's
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _fresh_streams()
+    signal.pthread_sigmask(signal.SIG_SETMASK, request["sigmask"])
+    _fresh_libraries()
+    sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
+    sys.argv = [request["module"], *request["argv"]]
+    sys.modules.pop(request["module"], None)  # preloaded as a module; `python -m` executes a fresh copy as __main__
+    code = 1
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+    finally:
+        _exit(code)
+
+
+def _exit_code(code) -> int:
+    """SystemExit's code as the interpreter turns it into an exit status (a message is printed, status 1)."""
+    if code is None or isinstance(code, int):
+        return (code or 0) & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _exit(code: int) -> None:
+    """Exit as an interpreter would, up to its finalisation, which a forked child skips (as multiprocessing's
+    do): tearing down the zygote's thousands of modules and destructing objects that predate the fork is
+    slow, and torch's TCPStore daemon can spin forever in a destructor run then."""
+    try:
+        threading._shutdown()  # wait for non-daemon threads, as the interpreter does first  # noqa: SLF001
+        atexit._run_exitfuncs()  # noqa: SLF001
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _fresh_streams() -> None:
+    """Python's standard streams on the new fds 0-2, buffered as a fresh interpreter would buffer them."""
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+
+    def stream(fd: int, mode: str, line_buffering: bool):
+        raw = io.FileIO(fd, mode, closefd=False)
+        binary = raw if unbuffered and mode == "w" else (io.BufferedWriter(raw) if mode == "w" else io.BufferedReader(raw))
+        return io.TextIOWrapper(binary, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
+                                line_buffering=line_buffering, write_through=unbuffered)
+
+    sys.stdin = sys.__stdin__ = stream(0, "r", False)
+    sys.stdout = sys.__stdout__ = stream(1, "w", os.isatty(1))
+    sys.stderr = sys.__stderr__ = stream(2, "w", True)
+
+
+def _fresh_libraries() -> None:
+    """What preloaded libraries read from the environment at import, read again: torch's thread count; and
+    numpy's global generator seeded anew, as each fresh process's is (forks would share the zygote's)."""
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
+    if torch is not None:
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else os.cpu_count() or 1)
+    if numpy is not None:
+        numpy.random.seed()
+
+
+# ---- the requester ----------------------------------------------------------------------------------------
+
+def zygote_socket() -> str | None:
+    """The live zygote's socket named by ALIGNER_ZYGOTE, or None (unset, not ready yet, or under Slurm)."""
+    path = os.environ.get(ZYGOTE_VARIABLE)
+    if not path or "SLURM_JOB_ID" in os.environ or not Path(path).is_socket():
+        return None
+    return path
+
+
+def popen(args: list[str], **kwargs) -> subprocess.Popen:
+    """subprocess.Popen(args, **kwargs); `[sys.executable, "-m", MODULE, ...]` forks from the zygote when one is
+    live (module doc)."""
+    path = zygote_socket()
+    runs_module = len(args) >= 3 and args[0] == sys.executable and args[1] == "-m"
+    if path is None or not runs_module:
+        return subprocess.Popen(args, **kwargs)
+    try:
+        return ZygoteProcess(path, args, **kwargs)
+    except (ConnectionRefusedError, FileNotFoundError):  # it exited since we looked
+        return subprocess.Popen(args, **kwargs)
+
+
+class ZygoteProcess(subprocess.Popen):
+    """A Popen whose process the zygote forked. Popen's machinery (pipes, communicate, timeouts, signals) is
+    reused; only starting the process and waiting for it (which goes through the zygote's report) differ."""
+
+    def __init__(self, path: str, args: list[str], **kwargs):
+        self._zygote_path = path
+        self._report: socket.socket | None = None
+        super().__init__(args, **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
+        start_new_session = rest[-2]
+        if preexec_fn is not None or pass_fds or shell or executable not in (None, sys.executable):
+            raise ValueError("the zygote starts `python -m MODULE` only, without preexec_fn, pass_fds or a shell")
+        request = {"module": args[2], "argv": list(map(str, args[3:])),
+                   "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd()),
+                   "sigmask": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+                   "pgid": os.getpgrp(), "new_session": bool(start_new_session)}
+        body = json.dumps(request).encode()
+        fds = [fd if fd != -1 else target for target, fd in enumerate((p2cread, c2pwrite, errwrite))]
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(self._zygote_path)
+            socket.send_fds(connection, [_WORD.pack(len(body)) + body], fds)
+            (self.pid,) = _WORD.unpack(_read(connection, _WORD.size))
+        except BaseException:
+            connection.close()
+            raise
+        finally:
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        self._report = connection
+        self._child_created = True
+
+    def _relayed_waitpid(self, pid: int, flags: int) -> tuple[int, int]:
+        """os.waitpid for our child: its wait status as the zygote reported it."""
+        if flags & os.WNOHANG and not select.select([self._report], [], [], 0)[0]:
+            return 0, 0
+        data = _read(self._report, _WORD.size)
+        self._report.close()
+        return self.pid, _WORD.unpack(data)[0]
+
+    def _try_wait(self, wait_flags):
+        return self._relayed_waitpid(self.pid, wait_flags)
+
+    def _internal_poll(self, _deadstate=None, **_):
+        if self._report is None or self._report.fileno() == -1:  # nothing started, or already reported
+            return self.returncode if self.returncode is not None or _deadstate is None else _deadstate
+        return super()._internal_poll(_deadstate, _waitpid=self._relayed_waitpid)
+
+
+def _read(connection: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            raise ChildProcessError("the zygote went away before it reported the process's exit")
+        data += chunk
+    return data
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
