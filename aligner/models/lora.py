@@ -47,6 +47,7 @@ class Adapter(torch.nn.Module):
 
         super().__init__()
         tp = ps.get_tensor_model_parallel_world_size()
+        self.tp = tp
         out_local, in_local = base.weight.shape
         self.target, self.column = target, target in COLUMN_PARALLEL
         self.scale, self.dropout, self.active = alpha / rank, dropout, True
@@ -64,6 +65,21 @@ class Adapter(torch.nn.Module):
         whole.sequence_parallel = self.sequence_parallel  # partial gradient under SP: summed over TP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.low_rank(x), self.b) * self.scale
+
+    def added_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + forward(x), the scale and the add done by the product B (A x) itself (one addmm): the
+        separate scaling and add each read and wrote a whole [tokens, out] activation, forward and backward.
+        Equal to `out + forward(x)` bitwise when the scale is a power of two (alpha 32, rank 16: 2), else
+        within a rounding of the scaled product."""
+        if self.b.dtype != out.dtype:
+            return out + self(x).to(out.dtype)
+        a = self.low_rank(x)
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), a.reshape(-1, a.shape[-1]), self.b.t(), alpha=self.scale)
+        return flat.view(out.shape)
+
+    def low_rank(self, x: torch.Tensor) -> torch.Tensor:
+        """A x (normed and dropped out as the base's input is), entering the TP region as the base's input does."""
         from megatron.core import tensor_parallel as tp_maps  # deferred (module note)
 
         if self.norm is not None:
@@ -71,17 +87,13 @@ class Adapter(torch.nn.Module):
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
         a = F.linear(x, self.a)
+        if self.tp == 1:  # the mappings are identities on one rank: skip their autograd nodes
+            return a
         if self.column:
-            a = (tp_maps.gather_from_sequence_parallel_region(a, tensor_parallel_output_grad=True)
-                 if self.sequence_parallel else tp_maps.copy_to_tensor_model_parallel_region(a))
-        else:
-            a = (tp_maps.reduce_scatter_to_sequence_parallel_region(a) if self.sequence_parallel
-                 else tp_maps.reduce_from_tensor_model_parallel_region(a))
-        return F.linear(a, self.b) * self.scale
-
-    def delta(self) -> torch.Tensor:
-        """scale * B A in the base weight's local shard layout."""
-        return (self.b.float() @ self.a.float()).mul_(self.scale)
+            return (tp_maps.gather_from_sequence_parallel_region(a, tensor_parallel_output_grad=True)
+                    if self.sequence_parallel else tp_maps.copy_to_tensor_model_parallel_region(a))
+        return (tp_maps.reduce_scatter_to_sequence_parallel_region(a) if self.sequence_parallel
+                else tp_maps.reduce_from_tensor_model_parallel_region(a))
 
 
 def _init_a(rank: int, fan_in: int, layer_number: int, target: str) -> torch.Tensor:
@@ -110,7 +122,7 @@ def _hook(module, args, output):
     if not adapter.active:
         return output
     out, bias = output
-    return out + adapter(args[0]).to(out.dtype), bias
+    return adapter.added_to(out, args[0]), bias
 
 
 def _sharded_state_dict(module, base_sharded):
@@ -237,4 +249,7 @@ def merged_weight(module) -> torch.Tensor:
     adapter = getattr(module, "lora", None)
     if not isinstance(adapter, Adapter) or not adapter.active:
         return module.weight
-    return (module.weight.float() + adapter.delta()).to(module.weight.dtype)
+    # one addmm, in float32: the scaled product added as it is made (equal to W + (scale * (B @ A)) bitwise for a
+    # power-of-two scale, else within a rounding), instead of a scaling and an add over a whole weight-sized delta
+    weight = module.weight.float()
+    return torch.addmm(weight, adapter.b.float(), adapter.a.float(), alpha=adapter.scale).to(module.weight.dtype)
