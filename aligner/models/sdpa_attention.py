@@ -89,7 +89,8 @@ class FusedCoreAttention(MegatronModule):
         super().__init__(config=config)
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         # Set by `aligner.models.read_positions.read_only` on the final layer: the positions of a flat
-        # packed row whose output is read. Only their queries are then attended (one output row each).
+        # packed row whose output is read; the output has one row each. A row of causal blocks only is
+        # attended whole in its grouped calls and the read rows taken; otherwise only their queries are attended.
         self.read_rows: list[int] | None = None
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
@@ -103,6 +104,11 @@ class FusedCoreAttention(MegatronModule):
             # zero-filled full-length gradient to add up
             blocks = zip(*(x.split(sizes) for x in (query, key, value)), attention_mask.allowed)
             if self.read_rows is not None and query.shape[1] == 1:
+                if all(allowed is None for allowed in attention_mask.allowed):
+                    # every block causal (RL's samples, a block each): the few grouped calls over every row,
+                    # then the read rows, cost far less than a masked call per block on its read rows
+                    rows = torch.tensor(self.read_rows, device=query.device)
+                    return self._attend_blocks(query, key, value, attention_mask, blocks).index_select(0, rows)
                 return self._attend_read_rows(blocks, bounds)
             if all(allowed is not None for allowed in attention_mask.allowed):
                 return torch.cat([self._attend(q, k, v, allowed) for q, k, v, allowed in blocks])

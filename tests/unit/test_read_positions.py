@@ -92,9 +92,11 @@ def test_masked_rows_are_position_major():
     assert masked_rows(mask).tolist() == [1, 2, 4]  # (t=0, i=1), (t=1, i=0), (t=2, i=0)
 
 
-def test_flat_packed_row_reads_only_its_masked_positions():
-    """A flat packed row (pair trees, block-diagonal attention): the final layer's attention queries,
-    output projection and MLP run on the loss-masked positions only; outputs there and gradients equal."""
+@pytest.mark.parametrize("units", ["pairs", "samples"])
+def test_flat_packed_row_reads_only_its_masked_positions(units):
+    """A flat packed row (pair trees, or RL's samples: a causal block each, attended in grouped calls):
+    the final layer's attention output, output projection and MLP run on the loss-masked positions only;
+    outputs there and gradients equal."""
     from aligner.models.policy import build_policy
     from aligner.config.schema import ModelConfig
     from aligner.data.packing import build_micro_batches
@@ -110,9 +112,13 @@ def test_flat_packed_row_reads_only_its_masked_positions():
         prompt = torch.randint(3, 300, (4,), generator=g).tolist()
         pairs.append([(prompt + torch.randint(3, 300, (n,), generator=g).tolist(), [0] * 4 + [1] * n) for n in (5, 3)])
     group = [p[0] for p in pairs] + [p[1] for p in pairs]
-    (batch,), length = build_micro_batches([group], 0, packed=True, capacity=12, pairs=True, flat=True)
+    if units == "pairs":
+        (batch,), length = build_micro_batches([group], 0, packed=True, capacity=12, pairs=True, flat=True)
+    else:  # each sequence a bin, so a causal block of its own
+        (batch,), length = build_micro_batches([group], 0, packed=True, flat=True, multiple=16)
     assert len(batch["blocks"]) > 2  # several attention blocks
     mask = BlockDiagonalMask.from_tree(batch["segments"], batch["parents"], batch["blocks"])
+    assert all(allowed is None for allowed in mask.allowed) == (units == "samples")
     positions = batch["position_ids"].unsqueeze(0).expand(3, -1, -1)
     loss_mask = batch["loss_mask"]
     weights = torch.randn(1, length, 1, generator=g)
