@@ -23,8 +23,10 @@ the same Rollout. Data-parallel replicas are independent engines (give each its 
 is every context-parallel rank: the lean decoder runs whole sequences on a CP rank's whole weights
 (megatron's forward, which would split them over the CP ranks, is refused under CP).
 
-During generate the model is in eval mode under torch.inference_mode, sequence parallelism is
-switched off (a decode step has one token per sample) and both are restored afterwards.
+During generate everything runs under torch.inference_mode. Megatron's forward runs with the model in
+eval mode and sequence parallelism switched off (a decode step has one token per sample), both restored
+afterwards; the lean decoder runs no layer's forward (the rotary table's only, which neither changes),
+so it skips the switch (a walk over every module, ~1 ms a call on the tiny model).
 """
 from __future__ import annotations
 
@@ -150,6 +152,10 @@ class MegatronEngine:
 
     @contextlib.contextmanager
     def _generation_mode(self):
+        if self.decode != "megatron":  # the lean decoder reads parameters only (module doc)
+            with torch.inference_mode():
+                yield
+            return
         was_training = self.model.training
         config = self.gpt.config
         saved = [(m, a, getattr(m, a)) for m in self.gpt.modules() for a in _SP_ATTRS
