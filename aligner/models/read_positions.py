@@ -123,8 +123,16 @@ def output_at(model, rows: torch.Tensor):
             module.sequence_parallel = False
         return (hidden.reshape(-1, hidden.shape[-1])[rows].unsqueeze(1), *args[1:]), kwargs
 
-    handles = [layer.register_forward_pre_hook(select_rows, with_kwargs=True),
-               layer.register_forward_hook(lambda module, args, output: setattr(module, "sequence_parallel", split))]
+    def restore(module, args, output):
+        module.sequence_parallel = split
+        out, bias = output
+        # out [n, 1, width] gets its gradient as the transpose of the model's [1, n, width] output: strides
+        # (width, n * width, 1), which torch.matmul does not fold into one matrix product (a frozen output
+        # layer's input gradient ran as n vector-matrix products, ~5x slower on CPU); through squeeze and
+        # unsqueeze it arrives with strides (width, width, 1)
+        return out.squeeze(1).unsqueeze(1), bias
+
+    handles = [layer.register_forward_pre_hook(select_rows, with_kwargs=True), layer.register_forward_hook(restore)]
     try:
         yield True
     finally:
