@@ -22,6 +22,8 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+from aligner.launch import zygote  # stdlib only: the kit checks the environment before it imports torch
+
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1024 ** 3
 
@@ -129,8 +131,7 @@ class Context:
         """`python -m aligner.cli ARGS` on `device`, its output appended to this check's log."""
         start = time.perf_counter()
         print(f"[{self.name}] {device}: aligner {' '.join(args)}", flush=True)
-        result = subprocess.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=self.env(device),
-                                capture_output=True, text=True)
+        result = zygote.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=self.env(device))
         print(result.stdout[-4000:] + result.stderr[-8000:], flush=True)
         print(f"[{self.name}] exit {result.returncode} after {time.perf_counter() - start:.1f} s", flush=True)
         if check and result.returncode:

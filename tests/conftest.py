@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from aligner.launch.zygote import ZYGOTE_VARIABLE, popen
+from aligner.launch.zygote import ZYGOTE_VARIABLE, popen, run
 
 REPO = Path(__file__).resolve().parent.parent
 TIERS = ("unit", "integration", "e2e")
@@ -39,7 +39,7 @@ def pytest_configure(config):
     """Start the session's zygote; processes start without it until its imports are done (module doc)."""
     global _zygote
 
-    if os.environ.get("ALIGNER_TEST_ZYGOTE", "0") == "0" or os.environ.get(ZYGOTE_VARIABLE):
+    if os.environ.get("ALIGNER_TEST_ZYGOTE", "1") == "0" or os.environ.get(ZYGOTE_VARIABLE):
         return
     where = Path(tempfile.mkdtemp(prefix="aligner-zygote-"))
     with open(where / "zygote.log", "w") as log:
@@ -95,6 +95,9 @@ def tiny_assets(tmp_path_factory):
     return root
 
 
+FRESH = {ZYGOTE_VARIABLE: ""}  # a CLI environment in which processes start fresh, not forked from the zygote
+
+
 def cli_env(env: dict | None = None) -> dict:
     """The environment of a CLI subprocess: this one, one OpenMP thread, no torchrun rank variables, then `env`."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -104,13 +107,7 @@ def cli_env(env: dict | None = None) -> dict:
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    with start_cli(*args, env=env) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=cli_env(env), timeout=timeout)
 
 
 def assert_cli_ok(result: subprocess.CompletedProcess) -> None:

@@ -9,13 +9,16 @@ signal mask, process group (or a new session) and standard streams, as a freshly
     python -m aligner.launch.zygote SOCKET &   # imports once (seconds), then serves until its parent exits
     ALIGNER_ZYGOTE=SOCKET aligner train ...    # its ranks start through it
 
-`popen` is what the launcher, the server starter and the tests' CLI helpers call instead of
-subprocess.Popen: through the zygote when `ALIGNER_ZYGOTE` names a live one, else a plain Popen. Only a
+`popen` is what the launcher and the tests' CLI helpers call instead of subprocess.Popen: through the
+zygote when `ALIGNER_ZYGOTE` names a live one in the requester's session, else a plain Popen. (A child can
+join the requester's process group only from the same session: a server, which starts a session of its own,
+starts its ranks as plain processes.) Only a
 process's parent can wait for it, so the zygote sends each child's wait status back on the request's
 connection, and `ZygoteProcess` (a Popen) reads it there; signals go to the child's pid directly.
 
 What differs from a fresh interpreter: dependencies' import-time warnings were shown once, by the zygote;
-hash randomisation is the zygote's. Under Slurm `popen` never uses it: a job's processes must stay in the
+hash randomisation is the zygote's; the process's parent is the zygote and its command line in /proc and ps
+is the zygote's; torch and megatron are loaded before the first line runs. Under Slurm `popen` never uses it: a job's processes must stay in the
 job's allocation and receive its signals.
 """
 from __future__ import annotations
@@ -66,6 +69,7 @@ def preload(modules=PRELOAD) -> None:
 def serve(path: str | Path, modules=PRELOAD) -> None:
     """Preload, then fork a child for each request on the Unix socket `path` until our parent exits.
     One thread only: a fork copies just the calling thread, so there must be no other to hold a lock."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # else importing torch starts an OpenMP thread; children set their own
     preload(modules)
     parent, me = os.getppid(), os.getpid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -78,7 +82,11 @@ def serve(path: str | Path, modules=PRELOAD) -> None:
         while os.getppid() == parent:
             if select.select([listener], [], [], 0.02)[0]:
                 connection, _ = listener.accept()
-                request, fds = _receive(connection)
+                try:
+                    request, fds = _receive(connection)
+                except (OSError, ValueError, struct.error):  # a requester that changed its mind (OtherSession)
+                    connection.close()
+                    continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
@@ -96,6 +104,10 @@ def serve(path: str | Path, modules=PRELOAD) -> None:
 
 def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
     head, fds, _, _ = socket.recv_fds(connection, 65536, 3)
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("a request carries the three standard streams")
     (size,) = _WORD.unpack(head[:_WORD.size])
     body = bytearray(head[_WORD.size:])
     while len(body) < size:
@@ -122,6 +134,7 @@ def _report_exits(children: dict[int, socket.socket]) -> None:
 
 def _become(request: dict, fds: list[int]) -> None:
     """In the forked child: take the requester's process context, then run the module as `python -m`."""
+    zygote_pythonpath = _entries(os.environ.get("PYTHONPATH"))
     if request["new_session"]:
         os.setsid()
     else:
@@ -138,7 +151,7 @@ def _become(request: dict, fds: list[int]) -> None:
     _fresh_streams()
     signal.pthread_sigmask(signal.SIG_SETMASK, request["sigmask"])
     _fresh_libraries()
-    sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
+    sys.path[:] = _fresh_path(request["cwd"], zygote_pythonpath)
     sys.argv = [request["module"], *request["argv"]]
     sys.modules.pop(request["module"], None)  # preloaded as a module; `python -m` executes a fresh copy as __main__
     code = 1
@@ -177,6 +190,17 @@ def _exit(code: int) -> None:
         os._exit(code)
 
 
+def _entries(pythonpath: str | None) -> list[str]:
+    return [os.path.abspath(p) for p in (pythonpath or "").split(os.pathsep) if p]
+
+
+def _fresh_path(cwd: str, zygote_pythonpath: list[str]) -> list[str]:
+    """sys.path as `python -m` in `cwd` with this environment's PYTHONPATH builds it: the working directory,
+    PYTHONPATH's entries, then the interpreter's own (the zygote's, less its PYTHONPATH's)."""
+    own = [p for p in sys.path[1:] if os.path.abspath(p) not in zygote_pythonpath]
+    return [cwd, *_entries(os.environ.get("PYTHONPATH")), *own]
+
+
 def _fresh_streams() -> None:
     """Python's standard streams on the new fds 0-2, buffered as a fresh interpreter would buffer them."""
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
@@ -205,10 +229,12 @@ def _fresh_libraries() -> None:
 
 # ---- the requester ----------------------------------------------------------------------------------------
 
-def zygote_socket() -> str | None:
-    """The live zygote's socket named by ALIGNER_ZYGOTE, or None (unset, not ready yet, or under Slurm)."""
-    path = os.environ.get(ZYGOTE_VARIABLE)
-    if not path or "SLURM_JOB_ID" in os.environ or not Path(path).is_socket():
+def zygote_socket(env=None) -> str | None:
+    """The live zygote's socket that ALIGNER_ZYGOTE names in `env` (default: ours), or None (unset or empty, not
+    ready yet, or under Slurm)."""
+    env = os.environ if env is None else env
+    path = env.get(ZYGOTE_VARIABLE)
+    if not path or "SLURM_JOB_ID" in env or not Path(path).is_socket():
         return None
     return path
 
@@ -216,14 +242,26 @@ def zygote_socket() -> str | None:
 def popen(args: list[str], **kwargs) -> subprocess.Popen:
     """subprocess.Popen(args, **kwargs); `[sys.executable, "-m", MODULE, ...]` forks from the zygote when one is
     live (module doc)."""
-    path = zygote_socket()
+    path = zygote_socket(kwargs.get("env"))  # the child's environment decides
     runs_module = len(args) >= 3 and args[0] == sys.executable and args[1] == "-m"
     if path is None or not runs_module:
         return subprocess.Popen(args, **kwargs)
     try:
         return ZygoteProcess(path, args, **kwargs)
-    except (ConnectionRefusedError, FileNotFoundError):  # it exited since we looked
+    except (ConnectionRefusedError, FileNotFoundError, OtherSession):  # it exited since we looked; or see OtherSession
         return subprocess.Popen(args, **kwargs)
+
+
+def run(args: list[str], *, timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs), started by `popen`."""
+    with popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 class ZygoteProcess(subprocess.Popen):
@@ -249,6 +287,8 @@ class ZygoteProcess(subprocess.Popen):
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(self._zygote_path)
+            if not start_new_session and os.getsid(_peer_pid(connection)) != os.getsid(0):
+                raise OtherSession  # a child can join our process group only from our session
             socket.send_fds(connection, [_WORD.pack(len(body)) + body], fds)
             (self.pid,) = _WORD.unpack(_read(connection, _WORD.size))
         except BaseException:
@@ -274,6 +314,15 @@ class ZygoteProcess(subprocess.Popen):
         if self._report is None or self._report.fileno() == -1:  # nothing started, or already reported
             return self.returncode if self.returncode is not None or _deadstate is None else _deadstate
         return super()._internal_poll(_deadstate, _waitpid=self._relayed_waitpid)
+
+
+class OtherSession(Exception):
+    """The zygote is not in the requester's session, so its child could not join the requester's process group."""
+
+
+def _peer_pid(connection: socket.socket) -> int:
+    pid, _, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid
 
 
 def _read(connection: socket.socket, size: int) -> bytes:

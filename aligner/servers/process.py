@@ -21,7 +21,6 @@ from pathlib import Path
 
 import psutil
 
-from aligner.launch.zygote import popen
 from aligner.servers.client import EndpointClient
 
 MODELS = {"reward": ("reward_model",), "critic": ("critic_infer", "critic_train", "critic_save"),
@@ -75,8 +74,8 @@ class ServerProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                               start_new_session=True)
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
         self.tree = {self.proc.pid}
         self._terminated = False
         return self

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import psutil
 import pytest
 
 from bench.accept_checks import CHECKS
-from tests.conftest import REPO
+from tests.conftest import FRESH, REPO
 
 # What each check may end as on a CPU host
 DRY_STATUS = {"env": {"pass"}, "pytest_gpu": {"skipped"}, "sft": {"pass"}, "checkpoint": {"pass"},
@@ -25,9 +26,9 @@ DRY_STATUS = {"env": {"pass"}, "pytest_gpu": {"skipped"}, "sft": {"pass"}, "chec
               "trl": {"pass", "skipped"}}  # skipped without the TRL peer baseline's scripts or trl
 
 
-def accept(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def accept(*args: str, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "bench/accept.py", "--dry-run", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,8 @@ def test_only_reruns_the_named_checks_into_the_same_report(dry_run):
 
 def test_a_check_past_its_time_is_ended_and_recorded_as_a_timeout(tmp_path):
     """sft on a fresh work directory needs ~40 s here; a budget of 21 s ends it (and the runs it started)."""
-    result = accept("--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--only", "sft", "--budget", "21")
+    result = accept("--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--only", "sft", "--budget", "21",
+                    env=FRESH)  # processes named by their command lines: not forked from the zygote
     assert result.returncode == 1
     record = json.loads((tmp_path / "out" / "accept.json").read_text())["checks"]["sft"]
     assert record["status"] == "timeout" and "21 s" in record["reason"] and 21 <= record["seconds"] < 40

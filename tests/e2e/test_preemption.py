@@ -12,7 +12,7 @@ import pytest
 
 from aligner.data.preference import synthetic_preferences, write_jsonl
 from aligner.runtime.preemption import EXIT_PREEMPTED
-from tests.conftest import (REPO, assert_metrics_match_by_step, job_field, read_metrics, run_cli, sigusr1_stop_step,
+from tests.conftest import (FRESH, REPO, assert_metrics_match_by_step, job_field, read_metrics, run_cli, sigusr1_stop_step,
                             start_cli, wait_for_requeued_completion, wait_for_step)
 
 MAX_STEPS = 40
@@ -96,7 +96,8 @@ def test_a_stop_asked_while_the_run_starts_is_kept(tiny_assets, prefs, tmp_path,
     """SIGUSR1 as soon as the CLI shields itself from it, before torch is imported and before any rank exists:
     the run stops after its first step, at a checkpoint (default action: the process dies)."""
     run_dir = tmp_path / "run"
-    proc = start_cli("train", *dpo_args(tiny_assets, prefs, run_dir), f"launcher.nproc_per_node={ranks}")
+    proc = start_cli("train", *dpo_args(tiny_assets, prefs, run_dir), f"launcher.nproc_per_node={ranks}",
+                     env=FRESH)  # what a fresh process loads when is the point: not one forked from the zygote
     try:
         deadline = time.time() + 60
         while not shields_sigusr1(proc.pid):
