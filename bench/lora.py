@@ -460,11 +460,27 @@ def _lean(argv: list[str]) -> None:
 
     ref = reference_step()
     measured = {"reference": timed_cpu(reference_step), "train": timed_cpu(lambda: train_step(ref))}
+    if task == "grpo":
+        # generation's matrix products at the shapes a KV-cache decoder runs them (the prefill of every prompt,
+        # then one [rows, width] product a projection per further token, the head at the last position only):
+        # what even an overhead-free decoder spends; the FLOP floor assumes the rate of large products instead
+        weights = [a.base.weight for a in adapters]
+        inputs = {w.shape[1]: torch.randn(rows * prompt, w.shape[1]) for w in weights}
+        head = model.lm_head.weight
+
+        def decode_products():
+            for n in [rows * prompt] + [rows] * (response - 1):
+                for w in weights:
+                    torch.mm(inputs[w.shape[1]][:n], w.t())
+                torch.mm(inputs[h][:rows], head.t())
+
+        measured_generate = timed_cpu(decode_products)
     rate = max(_gemm_rate(int(tokens), h, ffn), _gemm_rate(1024, 1024, 1024))
     floor = {k: v / rate for k, v in flops.items()}
     lean = {**measured, **({"generate": floor["generate"]} if "generate" in floor else {})}
     print(json.dumps({"task": task, "tokens": tokens, "gemm_flops_per_s": rate, "floor": floor,
                       "floor_step_s": sum(floor.values()), "lean": lean, "lean_step_s": sum(lean.values()),
+                      **({"decode_products_s": measured_generate} if task == "grpo" else {}),
                       "shape": {"prompt": prompt, **({"chosen": chosen, "rejected": rejected} if task == "dpo" else
                                                      {"response": response})},
                       "torch": torch.__version__, "threads": torch.get_num_threads()}))
@@ -567,8 +583,28 @@ def report(summary: dict, args, info: dict) -> str:
             lines.append(f"| {task} | {s['trl_peft']:.4f} | {s['aligner_lora']:.4f} | {b['floor_step_s']:.4f} | "
                          f"{b['lean_step_s']:.4f} ({parts}) | {s['trl_peft'] / b['floor_step_s']:.2f}x | "
                          f"{s['trl_peft'] / b['lean_step_s']:.2f}x | {s['aligner_lora'] / b['lean_step_s']:.2f}x |")
+        for task, b in summary["bounds"].items():
+            lines += ["", *part_table(task, summary["tasks"][task], b)]
     lines += ["", "## Targets", ""] + [f"* {t}" for t in summary["verdicts"]]
     return "\n".join(lines) + "\n"
+
+
+def part_table(task: str, s: dict, b: dict) -> list[str]:
+    """Where aligner LoRA's step goes against the lean bound, part by part (its phases' medians, wall s; the
+    lean parts CPU s, one thread)."""
+    phases, lean = s["phases"]["aligner_lora"], b["lean"]
+    timed = ("generate", "reference", "train")
+    rows = [(p, phases.get(p, 0.0), lean.get(p, 0.0)) for p in timed]
+    rows.append(("rest of the step", phases["step"] - sum(phases.get(p, 0.0) for p in timed), 0.0))
+    lines = [f"{task}, aligner LoRA's step against the lean bound, by part (s):", "",
+             "| part | aligner LoRA | lean bound | aligner - lean |", "|---|---|---|---|"]
+    lines += [f"| {p} | {mine:.4f} | {bound:.4f} | {mine - bound:+.4f} |" for p, mine, bound in rows]
+    if "decode_products_s" in b:
+        lines += ["", f"The lean bound credits generation at its FLOP floor; the same matrix products at the shapes a "
+                      f"KV-cache decoder runs them (batch {RL_RUN['prompts_per_step'] * RL_RUN['num_generations']} "
+                      f"rows a step) take {b['decode_products_s']:.4f} s here, so a lean step with an overhead-free "
+                      f"decoder takes at least {b['lean_step_s'] - lean['generate'] + b['decode_products_s']:.4f} s."]
+    return lines
 
 
 def summarize(todo: dict, runs: dict, memory: dict, plans: dict) -> dict:
