@@ -63,12 +63,14 @@ Measurements:
     each pair's prompt + chosen + rejected in one causal row (the packed pair's token count). TRL + peft's step
     over a bound bounds the speed-up any implementation reaches.
 
-Measured 2026-11-28 (bench/results/lora-cpu.md, --repeats 3; another process kept the second core busy): TRL +
-peft / aligner LoRA, CPU s/step, paired by round: SFT 1.50x, DPO 2.13x (2.02 / 2.13 / 2.23; two single-round runs
-the same day: 1.98x and 2.30x), GRPO 1.35x, DPO hidden-512 2.17x; aligner full / LoRA: 0.93-1.00x on the tiny
-model (there the rank-16 adapters add 16% to a forward's FLOPs, in skinny matmuls), 1.16x at hidden 512. Peak
-tensor memory, LoRA / full: 0.545x for DPO hidden-512 (0.605x over the whole 3-step run), 0.70-0.85x on the tiny
-model. GRPO's 2x is missed: a lean compiled LoRA step would reach 2.29x TRL + peft, aligner's step is 1.70x it.
+Measured 2026-11-28 (bench/results/lora-cpu.md, --repeats 3, after the GRPO step's overhead fixes; other test
+suites ran on the VM throughout): TRL + peft / aligner LoRA, CPU s/step, paired by round: SFT 1.66x, DPO 2.71x,
+GRPO 1.26x (1.35x before the fixes, in an earlier run; paired against the code before them the fixes took the LoRA
+GRPO step 0.90-0.98x its time), DPO hidden-512 2.55x; aligner full / LoRA: 0.93-1.03x on the tiny model, 1.28x at
+hidden 512. Peak tensor memory, LoRA / full: 0.545x for DPO hidden-512 (0.605x over the whole 3-step run), 0.70-0.85x
+on the tiny model. GRPO's 2x is missed: by part, aligner LoRA's step exceeds the lean compiled one by 0.036 s in
+generation (credited there at its FLOP floor; the decode-shaped products alone take about twice that floor), 0.015
+in the reference and 0.016 in the train step; a lean step with an overhead-free decoder would reach ~2.1x.
 """
 from __future__ import annotations
 
