@@ -9,21 +9,25 @@ signal mask, process group (or a new session) and standard streams, as a freshly
     python -m aligner.launch.zygote SOCKET &   # imports once (seconds), then serves until its parent exits
     ALIGNER_ZYGOTE=SOCKET aligner train ...    # its ranks start through it
 
-`popen` is what the launcher and the tests' CLI helpers call instead of subprocess.Popen: through the
-zygote when `ALIGNER_ZYGOTE` names a live one in the requester's session, else a plain Popen. (A child can
-join the requester's process group only from the same session: a server, which starts a session of its own,
-starts its ranks as plain processes.) Only a
+`popen` is what the launcher and the tests' CLI helpers call instead of subprocess.Popen: through the zygote
+when `ALIGNER_ZYGOTE` names a live one in the requester's session (or the child starts a session of its own),
+else a plain Popen. A child can join the requester's process group only from the same session, so a server,
+which runs in a session of its own, starts its ranks as plain processes. Servers themselves start fresh
+(servers/process.py): forked, PyTriton servers left scratch directories behind in tests/integration/test_server.py,
+for a reason not yet found. Only a
 process's parent can wait for it, so the zygote sends each child's wait status back on the request's
 connection, and `ZygoteProcess` (a Popen) reads it there; signals go to the child's pid directly.
 
 What differs from a fresh interpreter: dependencies' import-time warnings were shown once, by the zygote;
-hash randomisation is the zygote's; the process's parent is the zygote and its command line in /proc and ps
-is the zygote's; torch and megatron are loaded before the first line runs. Under Slurm `popen` never uses it: a job's processes must stay in the
+hash randomisation is the zygote's; the process's parent is the zygote, and its command line in /proc and ps
+is a title written over the zygote's (its arguments joined by spaces); torch and megatron are loaded before
+its first line runs. Under Slurm `popen` never uses it: a job's processes must stay in the
 job's allocation and receive its signals.
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
 import io
 import json
 import os
@@ -153,6 +157,7 @@ def _become(request: dict, fds: list[int]) -> None:
     _fresh_libraries()
     sys.path[:] = _fresh_path(request["cwd"], zygote_pythonpath)
     sys.argv = [request["module"], *request["argv"]]
+    _retitle([sys.executable, "-m", request["module"], *request["argv"]])
     sys.modules.pop(request["module"], None)  # preloaded as a module; `python -m` executes a fresh copy as __main__
     code = 1
     try:
@@ -164,6 +169,17 @@ def _become(request: dict, fds: list[int]) -> None:
         traceback.print_exc()
     finally:
         _exit(code)
+
+
+def _retitle(argv: list[str]) -> None:
+    """Show `argv` as this process's command line (ps, psutil, /proc/PID/cmdline), as setproctitle does: written
+    over the zygote's own argument strings, which `main` padded for this. The kernel reads such a title up to
+    its first NUL, so the arguments are joined by spaces."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end: stat's fields 48 and 49
+    title = " ".join(argv).encode(errors="replace")[:end - start - 2] + b"\0"
+    ctypes.memmove(start, title, len(title))
+    ctypes.memmove(end - 1, b".", 1)  # a last byte other than NUL marks the area as a title
 
 
 def _exit_code(code) -> int:
@@ -222,7 +238,13 @@ def _fresh_libraries() -> None:
     torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
     if torch is not None:
         threads = os.environ.get("OMP_NUM_THREADS", "")
-        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else os.cpu_count() or 1)
+        # OpenMP may start its workers here: with every signal blocked, as a fresh process's workers start once its
+        # CLI has blocked SIGUSR1 (runtime/preemption.py), or a SIGUSR1 would reach one and kill the process
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else os.cpu_count() or 1)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if numpy is not None:
         numpy.random.seed()
 
@@ -335,5 +357,15 @@ def _read(connection: socket.socket, size: int) -> bytes:
     return data
 
 
+TITLE_ROOM = 1 << 15  # bytes of padding in the zygote's command line: room for its children's (`_retitle`)
+
+
+def main(argv: list[str]) -> None:
+    """`python -m aligner.launch.zygote SOCKET`: re-executes itself once with padded arguments, then serves."""
+    if len(argv) == 1:
+        os.execv(sys.executable, [sys.executable, "-m", "aligner.launch.zygote", argv[0], "." * TITLE_ROOM])
+    serve(argv[0])
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    main(sys.argv[1:])

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from aligner.launch import zygote
@@ -18,8 +19,8 @@ from tests.conftest import REPO
 
 
 def _start(path: Path, preload: str) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-c", f"from aligner.launch.zygote import serve; serve({str(path)!r}, "
-                               f"{preload})"], cwd=REPO, stdin=subprocess.DEVNULL)
+    code = f"from aligner.launch.zygote import serve; serve({str(path)!r}, {preload})"
+    server = subprocess.Popen([sys.executable, "-c", code, "." * zygote.TITLE_ROOM], cwd=REPO, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not path.is_socket():
         assert server.poll() is None and time.monotonic() < deadline, "the zygote did not come up"
@@ -69,6 +70,8 @@ def test_signals_timeouts_and_a_new_session(through):
     process = through("sleep", stdout=subprocess.PIPE, text=True, start_new_session=True)
     seen = json.loads(process.stdout.readline())
     assert seen["sid"] == process.pid and process.poll() is None
+    # ps and psutil show the child's command line, not the zygote's
+    assert psutil.Process(process.pid).cmdline() == [sys.executable, "-m", "tests.zygote_child", "sleep"]
     with pytest.raises(subprocess.TimeoutExpired):
         process.wait(timeout=0.2)
     process.send_signal(signal.SIGKILL)
@@ -104,6 +107,15 @@ def test_the_real_preload_leaves_one_thread_and_serves_aligner(tmp_path):
         process = zygote.ZygoteProcess(str(tmp_path / "socket"), [sys.executable, "-m", "aligner.cli", "--help"],
                                        cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
         assert "train" in process.communicate(timeout=60)[0] and process.returncode == 0
+        # a child that wants all cores gets OpenMP workers before its first line; they must not take the SIGUSR1
+        # its CLI shields itself from (default action: the process dies)
+        env = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
+        process = zygote.ZygoteProcess(str(tmp_path / "socket"), [sys.executable, "-m", "tests.zygote_child",
+                                                                  "preempt"], cwd=REPO, env=env,
+                                       stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline() == "shielded\n"
+        process.send_signal(signal.SIGUSR1)
+        assert process.communicate(timeout=60)[0] == "requested\n" and process.returncode == 0
     finally:
         server.terminate()
         server.wait()
