@@ -12,7 +12,6 @@ against the formula below.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
