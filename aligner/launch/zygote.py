@@ -48,7 +48,7 @@ ZYGOTE_VARIABLE = "ALIGNER_ZYGOTE"
 PRELOAD = ("torch", "torch._dynamo", "numpy", "transformers", "safetensors", "omegaconf", "megatron.core",
            "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.dist_checkpointing",
            "megatron.core.distributed", "megatron.core.pipeline_parallel", "aligner")
-_WORD = struct.Struct("!q")  # a pid, then a wait status: fixed-size, so that select() sees exactly what is unread
+_WORD = struct.Struct("!q")  # a pid, then a wait status: fixed-size, so that poll() sees exactly what is unread
 
 
 # ---- the zygote -------------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def serve(path: str | Path, modules=PRELOAD) -> None:
     children: dict[int, socket.socket] = {}
     try:
         while os.getppid() == parent:
-            if select.select([listener], [], [], 0.02)[0]:
+            if _readable(listener, 0.02):
                 connection, _ = listener.accept()
                 try:
                     request, fds = _receive(connection)
@@ -323,7 +323,7 @@ class ZygoteProcess(subprocess.Popen):
 
     def _relayed_waitpid(self, pid: int, flags: int) -> tuple[int, int]:
         """os.waitpid for our child: its wait status as the zygote reported it."""
-        if flags & os.WNOHANG and not select.select([self._report], [], [], 0)[0]:
+        if flags & os.WNOHANG and not _readable(self._report, 0):
             return 0, 0
         data = _read(self._report, _WORD.size)
         self._report.close()
@@ -345,6 +345,13 @@ class OtherSession(Exception):
 def _peer_pid(connection: socket.socket) -> int:
     pid, _, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return pid
+
+
+def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    """poll(2), not select(2): a long-lived requester (the test session) holds fds numbered past select's 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def _read(connection: socket.socket, size: int) -> bytes:

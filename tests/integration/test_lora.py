@@ -70,12 +70,14 @@ def _tensor_bytes() -> int:
 
     seen = {}
     for obj in gc.get_objects():
-        if torch.is_tensor(obj) and obj.device.type == "cpu":
-            try:
+        try:
+            if torch.is_tensor(obj) and obj.device.type == "cpu":
                 storage = obj.untyped_storage()
                 seen[storage.data_ptr()] = storage.nbytes()
-            except RuntimeError:  # a fake tensor another test's tracing left behind: no memory of its own
-                continue
+        except RuntimeError:  # a fake tensor another test's tracing left behind: no memory of its own
+            continue
+        except ReferenceError:  # a weakref proxy whose referent died: no tensor at all
+            continue
     return sum(seen.values())
 
 
