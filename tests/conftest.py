@@ -3,8 +3,8 @@ the tiny tokenizers and synthetic data, the online-RL assets (an SFT policy and 
 local Slurm cluster, each built once per test session; running the `aligner` CLI in a subprocess (each
 run gets a clean process, like a user's) and reading its metrics; a tiny model on this one process.
 The session starts a zygote (aligner/launch/zygote.py) that has imported torch, megatron-core and aligner
-once: CLI runs, their ranks and servers fork from it instead of paying ~5 s of imports each
-(ALIGNER_TEST_ZYGOTE=0 turns it off)."""
+once: CLI runs and their ranks fork from it instead of paying ~5 s of imports each (servers, Slurm jobs and
+the example's commands start fresh; ALIGNER_TEST_ZYGOTE=0 turns it off)."""
 from __future__ import annotations
 
 import json
@@ -38,13 +38,12 @@ _zygote: subprocess.Popen | None = None
 def pytest_configure(config):
     """Start the session's zygote; processes start without it until its imports are done (module doc)."""
     global _zygote
-
     if os.environ.get("ALIGNER_TEST_ZYGOTE", "1") == "0" or os.environ.get(ZYGOTE_VARIABLE):
         return
     where = Path(tempfile.mkdtemp(prefix="aligner-zygote-"))
     with open(where / "zygote.log", "w") as log:
         _zygote = subprocess.Popen([sys.executable, "-m", "aligner.launch.zygote", str(where / "socket")], cwd=REPO,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL,
+                                   stdin=subprocess.DEVNULL,
                                    stdout=log, stderr=subprocess.STDOUT)
     os.environ[ZYGOTE_VARIABLE] = str(where / "socket")
 

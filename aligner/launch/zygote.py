@@ -13,24 +13,26 @@ signal mask, process group (or a new session) and standard streams, as a freshly
 when `ALIGNER_ZYGOTE` names a live one in the requester's session (or the child starts a session of its own),
 else a plain Popen. A child can join the requester's process group only from the same session, so a server,
 which runs in a session of its own, starts its ranks as plain processes. Servers themselves start fresh
-(servers/process.py): forked, PyTriton servers left scratch directories behind in tests/integration/test_server.py,
-for a reason not yet found. Only a
-process's parent can wait for it, so the zygote sends each child's wait status back on the request's
-connection, and `ZygoteProcess` (a Popen) reads it there; signals go to the child's pid directly.
+(servers/process.py): forked, PyTriton servers left scratch directories behind in
+tests/integration/test_server.py, for a reason not yet found. Only a process's parent can wait for it, so the
+zygote sends each child's wait status back on the request's connection, and `ZygoteProcess` (a Popen) reads it
+there; signals go to the child's pid directly.
 
 What differs from a fresh interpreter: dependencies' import-time warnings were shown once, by the zygote;
 hash randomisation is the zygote's; the process's parent is the zygote, and its command line in /proc and ps
 is a title written over the zygote's (its arguments joined by spaces); torch and megatron are loaded before
-its first line runs. Under Slurm `popen` never uses it: a job's processes must stay in the
-job's allocation and receive its signals.
+its first line runs. Under Slurm `popen` never uses it: a job's processes must stay in the job's allocation
+and receive its signals.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib
 import io
 import json
 import os
+import pkgutil
 import runpy
 import select
 import signal
@@ -55,9 +57,6 @@ _WORD = struct.Struct("!q")  # a pid, then a wait status: fixed-size, so that po
 
 def preload(modules=PRELOAD) -> None:
     """Import `modules` and, for "aligner", every module of the package, warnings held back (module doc)."""
-    import importlib  # why here: only the zygote preloads; a requester needs none of this
-    import pkgutil
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in modules:
@@ -297,7 +296,7 @@ class ZygoteProcess(subprocess.Popen):
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
-        start_new_session = rest[-2]
+        start_new_session = rest[-2]  # Popen passes (..., start_new_session, process_group) last
         if preexec_fn is not None or pass_fds or shell or executable not in (None, sys.executable):
             raise ValueError("the zygote starts `python -m MODULE` only, without preexec_fn, pass_fds or a shell")
         request = {"module": args[2], "argv": list(map(str, args[3:])),
