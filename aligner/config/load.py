@@ -13,7 +13,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from aligner import CONF_DIR
@@ -29,9 +29,21 @@ def _summary(error: BaseException) -> str:
     return f"{first} ({str(cause).splitlines()[0].strip()})" if cause else first
 
 
+def structured(schema) -> DictConfig:
+    """The schema dataclass as a typed config, with its `keyword_groups` (nodes whose names are Python
+    keywords, such as `algorithm.async`, which no dataclass field can carry) added as typed nodes."""
+    cfg = OmegaConf.structured(schema)
+    for path, node_schema in getattr(schema, "keyword_groups", {}).items():
+        parent, name = path.rsplit(".", 1)
+        node = OmegaConf.select(cfg, parent)
+        with open_dict(node):
+            node[name] = OmegaConf.structured(node_schema)
+    return cfg
+
+
 def _schema_merge(schema, *configs) -> DictConfig:
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(schema), *configs)
+        cfg = OmegaConf.merge(structured(schema), *configs)
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # resolve + find MISSING
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
@@ -49,7 +61,7 @@ def _register_schemas() -> None:
     Hydra itself type-checks every override against the schema. Once per process: storing the 16
     schemas again took half of every composition's time."""
     for name, schema in COMMAND_CONFIGS.values():
-        ConfigStore.instance().store(name=f"{name}_schema", node=schema)
+        ConfigStore.instance().store(name=f"{name}_schema", node=structured(schema))
 
 
 def compose_config(command: str, overrides: list[str]) -> DictConfig:

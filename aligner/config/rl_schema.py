@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Optional
+from typing import ClassVar, Optional
 
 from omegaconf import MISSING
 
@@ -147,11 +147,26 @@ class RLSamplingConfig:
     stop_strings: list[str] = field(default_factory=list)
 
 
+class Placement(StrEnum):
+    colocated = "colocated"  # the trainer's ranks generate, on the live weights, between updates
+    separate = "separate"  # rollout workers of their own, sent the new weights after every step
+
+
 @dataclass
 class RLGenerationConfig(GenerationBackendConfig):
     decode: DecodeMode = DecodeMode.auto  # the megatron engine's decode path
     batch_size: int = 64  # prompts per generate call on each data-parallel replica
     check_refit: bool = False  # after each refit compare the engine's weights with the trainer's (refit/* metrics)
+    placement: Placement = Placement.colocated
+    workers: int = 1  # separate placement: rollout workers, each with its own copy of the policy and engine
+    tensor_model_parallel_size: int = 1  # separate placement: each worker's tensor parallelism
+
+
+@dataclass
+class AsyncConfig:
+    """Separate placement: the rollouts trained at step t come from the weights after step max(0, t-1-max_lag)."""
+
+    max_lag: int = 0
 
 
 @dataclass
@@ -174,6 +189,8 @@ class RLRunConfig(TrainRunConfig):
     sampling: RLSamplingConfig = field(default_factory=RLSamplingConfig)
     generation: RLGenerationConfig = field(default_factory=RLGenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    # `async` is a Python keyword, so no dataclass field can carry it; config/load.py adds these nodes
+    keyword_groups: ClassVar[dict] = {"algorithm.async": AsyncConfig}
 
 
 # ---- PPO (`aligner train ppo`, algorithms/online/ppo_trainer.py) ---------------------------------------------------
@@ -300,6 +317,31 @@ def _validate_online(cfg, ppo: bool) -> None:
     if cfg.generation.batch_size < 1:
         raise ConfigError("generation.batch_size must be >= 1")
     validate_generation_backend(cfg.generation.backend, cfg.generation.check_refit)
+    validate_placement(cfg)
+
+
+def validate_placement(cfg) -> None:
+    """generation.placement and algorithm.async: who generates, and with which weights."""
+    g, m, lag = cfg.generation, cfg.model, cfg.algorithm["async"].max_lag
+    if lag < 0:
+        raise ConfigError(f"algorithm.async.max_lag must be >= 0 (the steps a rollout's weights may lag), got {lag}")
+    if g.placement == "colocated":
+        if lag:
+            raise ConfigError(f"algorithm.async.max_lag={lag} needs rollout workers of their own: set "
+                              f"generation.placement=separate (colocated generation always uses the live weights)")
+        return
+    if g.workers < 1:
+        raise ConfigError(f"generation.placement=separate needs generation.workers >= 1 rollout workers, got {g.workers}")
+    tp, groups = g.tensor_model_parallel_size, m.num_query_groups or m.num_attention_heads
+    if tp < 1 or m.num_attention_heads % tp or groups % tp:
+        raise ConfigError(f"generation.tensor_model_parallel_size={tp} must divide the model's attention heads "
+                          f"({m.num_attention_heads}) and query groups ({groups})")
+    if cfg.algorithm.dynamic_sampling.enabled:
+        raise ConfigError("algorithm.dynamic_sampling refills a step with new prompts on the trainer's weights; with "
+                          "generation.placement=separate use generation.placement=colocated for DAPO's dynamic sampling")
+    if g.check_refit:
+        raise ConfigError("generation.check_refit compares an in-process engine's weights with the trainer's; separate "
+                          "rollout workers hold their own copy: set generation.check_refit=false")
 
 
 def _validate_critic(cfg) -> None:

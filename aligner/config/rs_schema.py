@@ -29,6 +29,9 @@ class RSRunConfig(TrainRunConfig):
 
 def validate_rs_sampling(cfg) -> None:
     """What `aligner rs-generate` needs too: rs.*, sampling, generation and reward."""
+    if cfg.generation.placement != "colocated":
+        raise ConfigError("rejection sampling generates with the trainer's ranks: generation.placement=separate "
+                          "applies to grpo, reinforce and ppo")
     r, s = cfg.rs, cfg.sampling
     if min(r.prompts_per_step, r.num_rollouts_per_prompt, r.top_n) < 1:
         raise ConfigError("rs.prompts_per_step, rs.num_rollouts_per_prompt and rs.top_n must be >= 1")
