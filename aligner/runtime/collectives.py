@@ -15,6 +15,8 @@ Object collectives take and return python objects (torch serialises them on the 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import pickle
 from typing import Any, Iterator
 
 import torch
@@ -144,3 +146,83 @@ def scatter_object(objs: list | None, src: int, group=None) -> Any:
     out = [None]
     dist.scatter_object_list(out, objs, src=src, group=group)
     return out[0]
+
+
+
+class Bridge:
+    """A process group of its own between processes that are not one torch.distributed world (the trainer's
+    global rank 0 and its rollout workers, aligner/generation/rollout_worker.py): gloo between CPU tensors,
+    NCCL between the current CUDA devices. Bridge rank 0 hosts the rendezvous store at `address` (host:port).
+
+    Sends and rank 0's broadcasts are asynchronous (a sender never waits for a busy receiver): their buffers
+    are kept until they complete (`flush` waits for them). Receives wait. Messages between two ranks arrive
+    in the order they were sent."""
+
+    def __init__(self, address: str, rank: int, size: int, device: str = "cpu", timeout_s: float = 3600.0):
+        host, port = address.rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
+        store = dist.PrefixStore("aligner-bridge", self.store)
+        self.rank, self.size = rank, size
+        if device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.group = dist.ProcessGroupNCCL(store, rank, size)
+        else:
+            self.device = torch.device("cpu")
+            self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._pending: list = []  # (work, the buffers it reads)
+
+    def _placed(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device).contiguous()
+
+    def _keep(self, work, buffer: torch.Tensor) -> None:
+        self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
+        self._pending.append((work, buffer))
+
+    def send(self, tensor: torch.Tensor, dst: int, owned: bool = False) -> None:
+        _note("bridge_send", None, tensor)
+        work = self._placed(tensor)
+        if work is tensor and not owned:  # the caller may change its tensor before the send completes
+            work = work.clone()
+        self._keep(self.group.send([work], dst, 0), work)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        _note("bridge_recv", None, tensor)
+        work = self._placed(tensor)
+        self.group.recv([work], src, 0).wait()
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, owned: bool = False) -> torch.Tensor:
+        """Rank 0's `tensor` on every bridge rank: asynchronous on rank 0, waits elsewhere. Rank 0 sends a copy
+        unless `owned` (the caller hands the tensor over and will not change it)."""
+        _note("bridge_broadcast", None, tensor)
+        work = self._placed(tensor)
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        if self.rank == 0:
+            if work is tensor and not owned:
+                work = work.clone()
+            self._keep(self.group.broadcast([work], options), work)
+            return tensor
+        self.group.broadcast([work], options).wait()
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.send(torch.tensor([data.numel()], dtype=torch.int64), dst, owned=True)
+        self.send(data, dst, owned=True)
+
+    def recv_object(self, src: int) -> Any:
+        size = self.recv(torch.zeros(1, dtype=torch.int64), src)
+        data = self.recv(torch.empty(int(size.item()), dtype=torch.uint8), src)
+        return pickle.loads(data.numpy().tobytes())
+
+    def flush(self) -> None:
+        """Wait until every send and broadcast of this rank has completed."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []

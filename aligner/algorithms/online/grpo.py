@@ -24,5 +24,5 @@ def run(cfg) -> None:
     distributed.start_training_rank(cfg)
     with contextlib.closing(build_online_run(cfg, packed, reference=cfg.algorithm.kl.mode != "none")) as online:
         RLTrainer(*online.trainer_args(cfg), online.scorer, online.reference, packing=online.packing,
-                  val_scorer=online.val_scorer).fit()
+                  val_scorer=online.val_scorer, workers=online.workers).fit()
     distributed.shutdown()

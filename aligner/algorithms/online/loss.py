@@ -124,6 +124,9 @@ class PolicyLoss:
                   "clip_fraction": stats["clip_fraction"] * tokens, "approx_kl": stats["approx_kl"] * tokens,
                   "token_prob_error": mismatch.token_prob_error(trainer, engine, mask) * tokens,
                   "mismatch_kl": mismatch.kl(trainer, engine, mask) * tokens}
+        if weights is not None:
+            report["is_truncated"] = mismatch.truncated_fraction(old, engine, mask, str(a.importance_sampling.level),
+                                                                 a.importance_sampling.cap) * tokens
         if "ref_logprobs" in batch:
             kl = kl_penalty(logprobs, batch["ref_logprobs"], str(a.kl.estimator))
             report["kl"] = masked_sum(kl.detach(), mask)

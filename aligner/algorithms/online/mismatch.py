@@ -42,6 +42,17 @@ def kl(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor | None = 
     return masked_mean(values, m)
 
 
+def truncated_fraction(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor | None = None,
+                       level: str = "token", cap: float = 2.0) -> torch.Tensor:
+    """The fraction of masked tokens whose `truncated_is_weights` weight was cut at `cap` (at sequence level,
+    every token of a sequence whose weight was)."""
+    m = _mask(trainer, mask)
+    log_r = torch.where(m, trainer - engine, torch.zeros_like(trainer)).detach().float()
+    if level == "sequence":
+        log_r = log_r.sum(-1, keepdim=True).expand_as(log_r)
+    return masked_mean((log_r > torch.log(torch.tensor(float(cap)))).float(), m)
+
+
 def truncated_is_weights(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor | None = None,
                          level: str = "token", cap: float = 2.0) -> torch.Tensor:
     """Truncated importance weights w = min(p/q, cap) correcting for sampling from q instead of p.

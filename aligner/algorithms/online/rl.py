@@ -39,11 +39,11 @@ from aligner.runtime import collectives
 
 class RLTrainer(RolloutTrainer):
     def __init__(self, cfg, model, optimizer, scheduler, prompts, val_prompts, vocab_size: int, tokenizer, engine,
-                 scorer, reference, packing: dict, val_scorer=None):
+                 scorer, reference, packing: dict, val_scorer=None, workers=None):
         """As `RolloutTrainer`, with reference: an `algorithms.shared.reference.Reference`, or None without
         a KL term."""
         super().__init__(cfg, model, optimizer, scheduler, prompts, val_prompts, vocab_size, tokenizer, engine,
-                         scorer, packing, cfg.algorithm, val_scorer)
+                         scorer, packing, cfg.algorithm, val_scorer, workers)
         a, self.reference = self.a, reference
         values = token_values(vocab_size, self.params, entropy_grad=bool(a.entropy_coef))
         self.loss_step = make_forward_step(values, PolicyLoss(a, self.params.max_new_tokens))
@@ -81,7 +81,8 @@ class RLTrainer(RolloutTrainer):
         with timings("train"):
             update = self.update(micro, length, samples)
         with timings("refit"):
-            self.engine.refit()
+            if self.separate is None:  # separate workers get the new weights when the schedule needs them
+                self.engine.refit()
             refit = self.refit_metrics()
         metrics = {**rl_samples.rollout_metrics(samples, dropped, seen), **update, **refit}
         return self.finish_step(metrics, timings, start, samples)
@@ -91,8 +92,7 @@ class RLTrainer(RolloutTrainer):
         """(the step's samples, their pending scores or None, dropped groups, groups seen). Without
         dynamic sampling the scores are left pending, to be awaited after the log-prob passes."""
         a = self.a
-        with timings("generate"):
-            samples = self.generate(self.next_prompts())
+        samples = self.step_samples(timings)
         pending = self.submit_scores(samples)
         if not a.dynamic_sampling.enabled:
             return samples, pending, 0, a.prompts_per_step
@@ -166,4 +166,4 @@ class RLTrainer(RolloutTrainer):
             for sample, text in zip(shown, texts):
                 f.write(json.dumps({"prompt": sample.prompt.text, "response": text,
                                     "score": sample.score, "reward": sample.reward, "advantage": sample.advantage,
-                                    "valid": sample.valid, "is_end": sample.is_end}) + "\n")
+                                    "valid": sample.valid, "is_end": sample.is_end, "version": sample.version}) + "\n")

@@ -15,6 +15,7 @@ from megatron.core import parallel_state as ps
 from aligner.algorithms.online import samples as samples_lib
 from aligner.algorithms.online.loss import rl_micro_batches
 from aligner.algorithms.online.samples import Sample
+from aligner.algorithms.online.separate import SeparateRollouts
 from aligner.algorithms.shared.trainer import Trainer
 from aligner.algorithms.shared.training_step import forward_backward, optimizer_step
 from aligner.data.loader import split_for_rank
@@ -42,11 +43,13 @@ class RolloutTrainer(Trainer):
     validate_at_start = True
 
     def __init__(self, cfg, model, optimizer, scheduler, prompts, val_prompts, vocab_size: int, tokenizer, engine,
-                 scorer, packing: dict, algorithm, val_scorer=None):
-        """prompts: `aligner.data.prompts.Prompt`s; engine: a `GenerationBackend`; scorer: a `RewardScorer`
-        on global rank 0, None elsewhere; val_scorer: a `RewardScorer` of `reward.val_functions` (rank 0),
-        scored on validation only; algorithm: the `RLAlgorithmConfig` of the run (RS builds its own).
-        Subclasses set `self.loss_step`, the forward step `update` trains with."""
+                 scorer, packing: dict, algorithm, val_scorer=None, workers=None):
+        """prompts: `aligner.data.prompts.Prompt`s; engine: a `GenerationBackend` (with separate rollout workers,
+        it generates the validation); scorer: a `RewardScorer` on global rank 0, None elsewhere; val_scorer: a
+        `RewardScorer` of `reward.val_functions` (rank 0), scored on validation only; algorithm: the
+        `RLAlgorithmConfig` of the run (RS builds its own); workers: `generation.workers.RolloutWorkers` on
+        global rank 0 under generation.placement=separate. Subclasses set `self.loss_step`, the forward step
+        `update` trains with."""
         self.a = algorithm  # before the shared loop's constructor, which asks samples_per_step
         super().__init__(cfg, model, optimizer, scheduler, None, prompts, val_prompts, None, vocab_size, tokenizer)
         s = cfg.sampling
@@ -56,6 +59,8 @@ class RolloutTrainer(Trainer):
                                      seed=cfg.trainer.seed)
         self.loss_step = None
         self.first_sample_id = 0  # seed index of the first sample of the prompts just drawn
+        separate = cfg.generation.get("placement", "colocated") == "separate"
+        self.separate = SeparateRollouts(self, workers, algorithm["async"].max_lag) if separate else None
 
     def samples_per_step(self) -> int:
         return self.a.prompts_per_step
@@ -66,12 +71,38 @@ class RolloutTrainer(Trainer):
         timings["step"] = time.perf_counter() - start
         metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
         generated = sum(len(s.response_ids) for s in samples)
-        metrics["throughput/generated_tokens_per_s"] = generated / max(timings["generate"], 1e-9)
-        metrics["consumed_samples"] = self.sampler.state_dict()["consumed_samples"]
+        seconds = timings["generate"] if self.separate is None else self.separate.worker_seconds
+        metrics["throughput/generated_tokens_per_s"] = generated / max(seconds, 1e-9)
+        metrics["consumed_samples"] = self.sampler_state()["consumed_samples"]
+        if self.separate is not None:
+            metrics.update(self.separate.metrics(self.step + 1))
         self.write_rollouts(samples)
         return metrics
 
+    def sampler_state(self) -> dict:
+        if self.separate is not None and self.separate.trained_sampler is not None:
+            return self.separate.trained_sampler  # orders for the next steps have drawn beyond it
+        return super().sampler_state()
+
+    def save(self) -> None:
+        if self.separate is not None:
+            self.separate.before_save(self.step)
+        super().save()
+
+    def resume(self) -> None:
+        super().resume()
+        if self.separate is not None:
+            self.separate.after_resume(self.step)
+
     # ---- generation and scoring -----------------------------------------------------------------------
+    def step_samples(self, timings: Timings) -> list[Sample]:
+        """The step's samples: generated here on the live weights, or the separate workers' on the lag
+        schedule (online/separate.py)."""
+        if self.separate is not None:
+            return self.separate.samples(timings)
+        with timings("generate"):
+            return self.generate(self.next_prompts())
+
     def next_prompts(self) -> list:
         """The step's prompts from the stateful sampler, and the id of their first sample."""
         indices = self.sampler.next_global_batch()
@@ -162,6 +193,8 @@ class RolloutTrainer(Trainer):
                    "mismatch/kl": totals["mismatch_kl"] / tokens}
         if "kl" in totals:
             metrics["kl/mean"] = totals["kl"] / tokens
+        if "is_truncated" in totals:
+            metrics["policy/is_truncated_fraction"] = totals["is_truncated"] / tokens
         return metrics
 
     def refit_metrics(self) -> dict:

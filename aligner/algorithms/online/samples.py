@@ -28,6 +28,7 @@ class Sample:
     reward: float = 0.0  # what the advantages see: score + over-long penalty - KL (when in the reward)
     valid: bool = True
     advantage: float = 0.0
+    version: int = 0  # the policy version it was generated with (the steps trained before; separate placement)
 
     def sequence(self) -> tuple[list[int], list[int]]:
         """(ids, mask): the prompt then the response, the response trained on."""

@@ -5,8 +5,10 @@ packing layout of its micro-batches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from aligner.algorithms.shared.reference import Reference, build_reference
 from aligner.algorithms.shared.sequence_trainer import flat_packing
@@ -14,6 +16,7 @@ from aligner.data.prompts import load_prompt_dataset
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
 from aligner.generation.backends import build_engine
 from aligner.generation.types import GenerationBackend
+from aligner.generation.workers import RolloutWorkers
 from aligner.models.policy import build_policy
 from aligner.models.training import wrap_for_training
 from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
@@ -34,6 +37,7 @@ class OnlineRun:
     scorer: RewardScorer | None  # global rank 0 only, and only when the run scores with reward.functions
     val_scorer: RewardScorer | None  # reward.val_functions, global rank 0 only
     packing: dict  # {"packed", "capacity", "flat"}: build_micro_batches' layout
+    workers: RolloutWorkers | None = None  # generation.placement=separate, global rank 0 only
 
     def trainer_args(self, cfg) -> tuple:
         """The leading arguments every online trainer takes: (cfg, model, optimizer, scheduler, prompts,
@@ -45,12 +49,24 @@ class OnlineRun:
         for scorer in (self.scorer, self.val_scorer):
             if scorer is not None:
                 scorer.close()
+        if self.workers is not None:
+            self.workers.close()
 
 
 def build_online_run(cfg, packed: bool, *, reference: bool, score: bool = True) -> OnlineRun:
     """The run's parts, built in this order: policy and engine, then the reference (while the policy
     holds its initial weights, before the trainer resumes), then the scorers. `packed`: `packing_enabled`;
     `score`: build the reward.functions scorer (PPO's scores come from its critic service instead)."""
+    workers = start_rollout_workers(cfg)
+    try:
+        return _build(cfg, packed, reference, score, workers)
+    except BaseException:
+        if workers is not None:
+            workers.kill()
+        raise
+
+
+def _build(cfg, packed: bool, reference: bool, score: bool, workers) -> OnlineRun:
     m, d = cfg.model, cfg.data
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(m, tokenizer, cfg.tokenizer.path)
@@ -63,8 +79,22 @@ def build_online_run(cfg, packed: bool, *, reference: bool, score: bool = True) 
     ref = build_reference(cfg, model, vocab_size, cfg.reference.mode) if reference else None
     scorer, val_scorer = reward_scorers(cfg, tokenizer, score)
     packing = {"packed": packed, "capacity": None, "flat": flat_packing(packed, model)}
+    if workers is not None:
+        workers.join()
     return OnlineRun(tokenizer, vocab_size, prompts, val, model, optimizer, scheduler, engine, ref, scorer, val_scorer,
-                     packing)
+                     packing, workers)
+
+
+def start_rollout_workers(cfg) -> RolloutWorkers | None:
+    """Global rank 0 under generation.placement=separate: the workers, started (they load while the trainer
+    builds its model), with the run's config beside their logs."""
+    if cfg.generation.get("placement", "colocated") != "separate" or dist.get_rank() != 0:
+        return None
+    logs = Path(cfg.run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    config = logs / "rollout_workers.yaml"
+    OmegaConf.save(cfg, config)
+    return RolloutWorkers(cfg, config, "ppo" if "critic" in cfg else "grpo", logs)
 
 
 def reward_scorers(cfg, tokenizer, score: bool = True):

@@ -1,0 +1,121 @@
+"""One process of a rollout worker (`generation.placement=separate`): its own copy of the policy at
+`generation.tensor_model_parallel_size`, a generation engine over it, and a bridge to the trainer
+(`collectives.Bridge`; the trainer's side: generation/workers.py).
+
+    python -m aligner.launch.worker aligner.generation.rollout_worker:main CONFIG.yaml COMMAND
+
+The worker's ranks are a torch.distributed world of their own (RANK/WORLD_SIZE/MASTER_PORT, one per TP
+rank); ALIGNER_BRIDGE (host:port), ALIGNER_BRIDGE_RANK and ALIGNER_BRIDGE_SIZE place it on the bridge.
+It serves the trainer's messages in order, until told to stop:
+  weights   {version}, then per bucket {entries: [(HF name, shape, dtype), ...]} and one bridge broadcast
+            (the bucket's tensors flattened into one), then {entries: None}: loaded into this rank's TP shard
+  generate  {step, version, prompts, seeds, params}: every TP rank generates the same batch; TP rank 0
+            answers {step, version, responses, logprobs, is_end, busy_s, wall_s}
+  stop      {}
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+from megatron.core import parallel_state as ps
+from omegaconf import OmegaConf, open_dict
+
+from aligner.config import load_resolved
+from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+from aligner.generation.backends import build_engine
+from aligner.generation.weights import load_weight_stream
+from aligner.models.policy import build_policy
+from aligner.runtime import distributed
+from aligner.runtime.collectives import Bridge
+
+
+def worker_model_config(model_cfg, tensor_parallel: int):
+    """The trainer's model config as a worker holds it: its own TP, no PP/CP/sequence parallelism, and no
+    adapters (the trainer streams merged weights)."""
+    cfg = OmegaConf.create(OmegaConf.to_container(model_cfg, resolve=True))
+    with open_dict(cfg):
+        cfg.tensor_model_parallel_size = tensor_parallel
+        cfg.pipeline_model_parallel_size = 1
+        cfg.context_parallel_size = 1
+        cfg.sequence_parallel = False
+        cfg.lora.rank = 0
+    return cfg
+
+
+def watch_trainer(pid: int) -> None:
+    """End this process when the trainer's rank 0 is gone (killed, it could not say stop): a worker waiting
+    for it on the bridge would otherwise wait out the bridge's timeout."""
+    def watch():
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str]) -> None:
+    watch_trainer(int(os.environ["ALIGNER_TRAINER_PID"]))
+    cfg = load_resolved(argv[0], argv[1])
+    g = cfg.generation
+    distributed.init_process_group()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cfg.launcher.threads_per_rank)
+    distributed.init_model_parallel(g.tensor_model_parallel_size, 1)
+    model_cfg = worker_model_config(cfg.model, g.tensor_model_parallel_size)
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    vocab_size = model_vocab_size(cfg.model, tokenizer, cfg.tokenizer.path)
+    model = build_policy(model_cfg, vocab_size)
+    model.requires_grad_(False)
+    model.eval()
+    engine = build_engine(str(g.backend), model, model_cfg, vocab_size, tokenizer, batch_size=g.batch_size,
+                          decode=g.decode, tokenizer_dir=cfg.tokenizer.path)
+    bridge = Bridge(os.environ["ALIGNER_BRIDGE"], int(os.environ["ALIGNER_BRIDGE_RANK"]),
+                    int(os.environ["ALIGNER_BRIDGE_SIZE"]), "cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        serve(bridge, model, model_cfg, vocab_size, engine, answers=ps.get_tensor_model_parallel_rank() == 0)
+    finally:
+        bridge.flush()
+        distributed.shutdown()
+
+
+def serve(bridge: Bridge, model, model_cfg, vocab_size: int, engine, answers: bool) -> None:
+    """The trainer's messages, in order, until `stop` (module doc)."""
+    version, since = None, time.perf_counter()
+    while True:
+        message = bridge.recv_object(0)
+        kind = message["kind"]
+        if kind == "stop":
+            return
+        if kind == "weights":
+            load_weight_stream(model, _received_buckets(bridge), model_cfg, vocab_size)
+            version = message["version"]
+        elif kind == "generate":
+            if message["version"] != version:
+                raise RuntimeError(f"asked for step {message['step']}'s rollouts with weights version "
+                                   f"{message['version']}, holding {version}")
+            start = time.perf_counter()
+            rollout = engine.generate(message["prompts"], message["params"], seeds=message["seeds"])
+            busy = time.perf_counter() - start
+            if answers:
+                bridge.send_object({"step": message["step"], "version": version, "responses": rollout.responses(),
+                                    "logprobs": rollout.response_logprobs(), "is_end": rollout.is_end.tolist(),
+                                    "busy_s": busy, "wall_s": time.perf_counter() - since}, 0)
+            since = time.perf_counter()
+        else:
+            raise RuntimeError(f"unknown message from the trainer: {kind!r}")
+
+
+def _received_buckets(bridge: Bridge):
+    """The weight set's buckets as {HF name: tensor}, one at a time (a weight stream): each announced by a
+    message listing its tensors, then broadcast as one flat tensor; a message without entries ends the set."""
+    while (entries := bridge.recv_object(0)["entries"]) is not None:
+        dtype = getattr(torch, entries[0][2])
+        sizes = [torch.Size(shape).numel() for _, shape, _ in entries]
+        flat = bridge.broadcast(torch.empty(sum(sizes), dtype=dtype))
+        yield {name: part.view(shape) for (name, shape, _), part in zip(entries, flat.split(sizes))}
