@@ -61,3 +61,60 @@ def test_lagged_rollouts_follow_the_schedule(lag1):
     assert metrics[0]["mismatch/kl"] < 1e-6 < metrics[1]["mismatch/kl"]  # step 2 trains version 0's samples
     assert all(0 <= m["policy/is_truncated_fraction"] <= 1 for m in metrics)
 
+
+
+def kill_when_logged(process, run_dir, rows: int, victim=None) -> None:
+    """SIGKILL `victim()`'s pid (default: the CLI process) once `rows` metrics rows are logged."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= rows:
+            break
+        time.sleep(0.05)
+    os.kill(victim() if victim else process.pid, signal.SIGKILL)
+
+
+def test_a_lagged_run_resumes_to_the_uninterrupted_metrics(tiny_assets, rl_assets, lag1, tmp_path):
+    """Killed after step 3 (checkpoint: step 2): step 3's rollouts, ordered from version 1 before the kill, are
+    regenerated from the version-1 weights kept beside the checkpoint; no sample is trained twice."""
+    run_dir = tmp_path / "killed"
+    args = (*STEPS, *SEPARATE, "algorithm.async.max_lag=1", "algorithm.importance_sampling.level=token")
+    process = start_cli(*grpo_args(tiny_assets, rl_assets, run_dir, *args))
+    kill_when_logged(process, run_dir, 3)
+    process.wait()
+    assert (run_dir / "checkpoints/rollout_weights/version_1.safetensors").exists()
+    resumed = grpo(tiny_assets, rl_assets, run_dir, *args)
+    _, straight = lag1
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for ours, ref in zip(resumed, straight):
+        for key in KEYS + ("async/lag", "policy/is_truncated_fraction"):
+            assert ours.get(key) == ref.get(key), (ours["step"], key)
+
+
+def worker_pid(run_dir) -> int:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if "rollout_worker:main" in cmdline and str(run_dir) in cmdline:
+                return int(entry)
+    raise AssertionError("no rollout worker process found")
+
+
+def test_a_dead_worker_stops_the_run_with_one_line_and_the_rerun_matches(tiny_assets, rl_assets, colocated,
+                                                                         tmp_path):
+    run_dir = tmp_path / "run"
+    args = grpo_args(tiny_assets, rl_assets, run_dir, *STEPS, *SEPARATE, f"data.val_path={rl_assets / 'val.jsonl'}",
+                     "trainer.val_interval=2")
+    process = start_cli(*args)
+    kill_when_logged(process, run_dir, 2, victim=lambda: worker_pid(run_dir))  # once step 1 is logged
+    _, stderr = process.communicate(timeout=120)
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert process.returncode == 75, stderr[-3000:]
+    assert len(errors) == 1 and "rollout worker 0" in errors[0] and "rollout_worker_0.log" in errors[0], stderr[-3000:]
+    rerun = run_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    for ours, ref in zip(read_metrics(run_dir), colocated):
+        for key in KEYS + ("val/reward/mean",):
+            assert ours.get(key) == ref.get(key), (ours["step"], key)
