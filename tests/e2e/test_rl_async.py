@@ -118,3 +118,28 @@ def test_a_dead_worker_stops_the_run_with_one_line_and_the_rerun_matches(tiny_as
     for ours, ref in zip(read_metrics(run_dir), colocated):
         for key in KEYS + ("val/reward/mean",):
             assert ours.get(key) == ref.get(key), (ours["step"], key)
+
+
+def test_a_cp2_trainer_with_a_tp2_worker_matches_one_process(tiny_assets, rl_assets, colocated, tmp_path):
+    """The trainer under context parallelism (its passes split each sequence over 2 ranks) fed by a worker of
+    tensor parallelism 2: the first step equals one colocated process's (same samples, per-sample seeds)."""
+    first = grpo(tiny_assets, rl_assets, tmp_path / "run", *STEPS, *SEPARATE, "trainer.max_steps=1",
+                 "launcher.nproc_per_node=2", "model.context_parallel_size=2",
+                 "generation.tensor_model_parallel_size=2")[-1]
+    assert (tmp_path / "run/logs/rollout_worker_0_rank_1.log").exists()
+    ref = colocated[1]
+    for key in ("reward/mean", "response_length/mean", "fraction/ended"):
+        assert first[key] == ref[key], key
+    for key in ("loss", "grad_norm", "kl/mean", "entropy/mean", "advantages/std", "mismatch/kl"):
+        assert first[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+
+
+def test_ppo_with_separate_workers_at_lag_0_equals_colocated(tiny_assets, rl_assets, tmp_path):
+    from tests.e2e.test_ppo import KEYS as PPO_KEYS, ppo  # why: PPO's own arguments and keys, one place
+
+    colocated, separate = (ppo(tiny_assets, rl_assets, tmp_path / name, "trainer.max_steps=2", *extra)
+                           for name, extra in (("colocated", []), ("separate", SEPARATE)))
+    for ours, ref in zip(separate, colocated):
+        for key in PPO_KEYS:
+            assert ours.get(key) == ref.get(key), (ours["step"], key)
+    assert [m["async/lag"] for m in separate] == [0.0, 0.0]

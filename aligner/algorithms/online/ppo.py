@@ -278,5 +278,5 @@ def run(cfg) -> None:
         online = stack.enter_context(contextlib.closing(
             build_online_run(cfg, packed, reference=cfg.algorithm.kl.mode != "none", score=False)))
         PPOTrainer(*online.trainer_args(cfg), service, online.reference, packing=online.packing,
-                   val_scorer=online.val_scorer).fit()
+                   val_scorer=online.val_scorer, workers=online.workers).fit()
     distributed.shutdown()

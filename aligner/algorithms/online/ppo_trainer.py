@@ -52,10 +52,11 @@ class ServiceLost(Preempted):
 
 class PPOTrainer(RLTrainer):
     def __init__(self, cfg, model, optimizer, scheduler, prompts, val_prompts, vocab_size: int, tokenizer, engine,
-                 service, reference, packing: dict, val_scorer=None):
-        """service: a `ppo.Service` (critic + reward clients) on global rank 0, None elsewhere."""
+                 service, reference, packing: dict, val_scorer=None, workers=None):
+        """service: a `ppo.Service` (critic + reward clients) on global rank 0, None elsewhere; workers: as
+        `RolloutTrainer`'s."""
         super().__init__(cfg, model, optimizer, scheduler, prompts, val_prompts, vocab_size, tokenizer, engine,
-                         service.scorer if service is not None else None, reference, packing, val_scorer)
+                         service.scorer if service is not None else None, reference, packing, val_scorer, workers)
         self.service = service
         self.needs_old_logprobs = True  # the KL in the reward and the ratio use the rollout policy's log-probs
 
@@ -95,7 +96,7 @@ class PPOTrainer(RLTrainer):
         with timings("train"):
             update = {} if warmup else self.update(micro, length, samples)
         with timings("refit"):
-            if not warmup:
+            if not warmup and self.separate is None:  # separate workers get the weights the schedule needs
                 self.engine.refit()
             refit = self.refit_metrics()
         with timings("critic_train"):
@@ -120,6 +121,9 @@ class PPOTrainer(RLTrainer):
     def rollouts_with_requests(self, timings: Timings) -> tuple[list[Sample], list]:
         """The step's samples, generated `generation.batch_size` prompts at a time; each chunk's requests
         leave (rank 0) as soon as it exists."""
+        if self.separate is not None:  # the workers' rollouts arrive whole
+            samples = self.step_samples(timings)
+            return samples, [self.service.submit(samples, self.tokenizer)] if self.service is not None else []
         prompts, first = self.next_prompts(), self.first_sample_id
         chunk, n = self.cfg.generation.batch_size, self.a.num_generations
         samples, pending = [], []
