@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import REWARDS, read_metrics, run_cli, start_cli
+from tests.conftest import REWARDS, read_metrics, run_cli, sigusr1_stop_step, start_cli
 from tests.e2e.test_rl_loop import grpo, grpo_args
 
 # a reward that differs within every group (the response's length), so that every step changes the weights
@@ -90,7 +90,8 @@ def test_a_lagged_run_resumes_to_the_uninterrupted_metrics(tiny_assets, rl_asset
             assert ours.get(key) == ref.get(key), (ours["step"], key)
 
 
-def worker_pid(run_dir) -> int:
+def worker_pids(run_dir) -> list[int]:
+    pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -98,8 +99,36 @@ def worker_pid(run_dir) -> int:
             except OSError:
                 continue
             if "rollout_worker:main" in cmdline and str(run_dir) in cmdline:
-                return int(entry)
-    raise AssertionError("no rollout worker process found")
+                pids.append(int(entry))
+    return pids
+
+
+def worker_pid(run_dir) -> int:
+    pids = worker_pids(run_dir)
+    assert pids, "no rollout worker process found"
+    return pids[0]
+
+
+def test_sigusr1_stops_trainer_and_workers_at_a_checkpoint(tiny_assets, rl_assets, lag1, tmp_path):
+    run_dir = tmp_path / "run"
+    args = grpo_args(tiny_assets, rl_assets, run_dir, *STEPS, *SEPARATE, "algorithm.async.max_lag=1",
+                     "algorithm.importance_sampling.level=token")
+    process = start_cli(*args)
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 75, stderr[-3000:]
+    stopped = sigusr1_stop_step(stderr)
+    assert 1 <= stopped < 4 and (run_dir / f"checkpoints/step_{stopped:06d}").is_dir()
+    assert worker_pids(run_dir) == []  # the trainer stopped its workers
+    rerun = run_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    _, straight = lag1
+    for ours, ref in zip(read_metrics(run_dir), straight):
+        for key in KEYS + ("async/lag",):
+            assert ours.get(key) == ref.get(key), (ours["step"], key)
 
 
 def test_a_dead_worker_stops_the_run_with_one_line_and_the_rerun_matches(tiny_assets, rl_assets, colocated,
