@@ -94,6 +94,7 @@ def serve(bridge: Bridge, model, model_cfg, vocab_size: int, engine, answers: bo
             return
         if kind == "weights":
             load_weight_stream(model, _received_buckets(bridge), model_cfg, vocab_size)
+            engine.refit()  # the megatron engine reads the model's own weights (a no-op); TensorRT-LLM copies them
             version = message["version"]
         elif kind == "generate":
             if message["version"] != version:
