@@ -245,13 +245,18 @@ def test_first_step_with_a_tp2_actor_a_tp2_service_and_engine_log_probs_matches_
     assert first["timing/logprobs_s"] < 0.1 * ref["timing/logprobs_s"]  # no forward at all
 
 
-def test_first_step_with_a_cp2_actor_matches_one_process(tiny_assets, rl_assets, tmp_path):
+def test_first_step_with_a_cp2_actor_or_a_rollout_worker_matches_one_process(tiny_assets, rl_assets, tmp_path):
     """A CP=2 actor (its CP ranks generate as two replicas, its passes split each sequence over them) and a
     one-rank service: the first step equals a one-process actor's, two optimizer steps of it (old log-probs,
-    a KL, clipping)."""
-    one, cp = (ppo(tiny_assets, rl_assets, tmp_path / name, "trainer.max_steps=1", "trainer.global_batch_size=8",
-                   *layout)[-1]
-               for name, layout in (("one", []), ("cp2", ["launcher.nproc_per_node=2", "model.context_parallel_size=2"])))
+    a KL, clipping). A separate rollout worker at lag 0 (generation.placement=separate) gives it bitwise."""
+    one, cp, separate = (ppo(tiny_assets, rl_assets, tmp_path / name, "trainer.max_steps=1",
+                             "trainer.global_batch_size=8", *layout)[-1]
+                         for name, layout in (("one", []),
+                                              ("cp2", ["launcher.nproc_per_node=2", "model.context_parallel_size=2"]),
+                                              ("separate", ["generation.placement=separate"])))
+    assert separate["async/lag"] == 0.0
+    for key in KEYS + ("policy/clip_fraction", "entropy/mean"):
+        assert separate[key] == one[key], key
     assert one["optimizer_steps"] == 2 and one["advantages/std"] > 0
     for key in ("reward/mean", "response_length/mean", "fraction/ended"):
         assert cp[key] == one[key], key  # the same samples: seeds per sample, not per rank

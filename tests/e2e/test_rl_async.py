@@ -1,5 +1,5 @@
 """Asynchronous RL end to end (generation.placement=separate, online/separate.py): separate workers at lag 0
-train exactly what colocated generation trains; at lag k each step's rollouts come from the weights after
+train exactly what colocated generation trains (PPO's case: tests/e2e/test_ppo.py, the first-step layouts); at lag k each step's rollouts come from the weights after
 step max(0, t-1-k); a SIGKILLed lagged run resumes to the uninterrupted run's metrics; a rollout worker that
 dies stops the run with one line and exit 75, and the re-run matches."""
 from __future__ import annotations
@@ -162,13 +162,3 @@ def test_a_cp2_trainer_with_a_tp2_worker_matches_one_process(tiny_assets, rl_ass
     for key in ("loss", "grad_norm", "kl/mean", "entropy/mean", "advantages/std", "mismatch/kl"):
         assert first[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
 
-
-def test_ppo_with_separate_workers_at_lag_0_equals_colocated(tiny_assets, rl_assets, tmp_path):
-    from tests.e2e.test_ppo import KEYS as PPO_KEYS, ppo  # why: PPO's own arguments and keys, one place
-
-    colocated, separate = (ppo(tiny_assets, rl_assets, tmp_path / name, "trainer.max_steps=2", *extra)
-                           for name, extra in (("colocated", []), ("separate", SEPARATE)))
-    for ours, ref in zip(separate, colocated):
-        for key in PPO_KEYS:
-            assert ours.get(key) == ref.get(key), (ours["step"], key)
-    assert [m["async/lag"] for m in separate] == [0.0, 0.0]
