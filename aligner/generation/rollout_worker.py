@@ -5,7 +5,8 @@
     python -m aligner.launch.worker aligner.generation.rollout_worker:main CONFIG.yaml COMMAND
 
 The worker's ranks are a torch.distributed world of their own (RANK/WORLD_SIZE/MASTER_PORT, one per TP
-rank); ALIGNER_BRIDGE (host:port), ALIGNER_BRIDGE_RANK and ALIGNER_BRIDGE_SIZE place it on the bridge.
+rank); ALIGNER_BRIDGE (host:port), ALIGNER_BRIDGE_RANK, ALIGNER_BRIDGE_SIZE and ALIGNER_BRIDGE_DEVICE (cuda: NCCL,
+cpu: gloo; generation/workers.py `bridge_device`) place it on the bridge.
 It serves the trainer's messages in order, until told to stop:
   weights   {version}, then per bucket {entries: [(HF name, shape, dtype), ...]} and one bridge broadcast
             (the bucket's tensors flattened into one), then {entries: None}: loaded into this rank's TP shard
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> None:
     engine = build_engine(str(g.backend), model, model_cfg, vocab_size, tokenizer, batch_size=g.batch_size,
                           decode=g.decode, tokenizer_dir=cfg.tokenizer.path)
     bridge = Bridge(os.environ["ALIGNER_BRIDGE"], int(os.environ["ALIGNER_BRIDGE_RANK"]),
-                    int(os.environ["ALIGNER_BRIDGE_SIZE"]), "cuda" if torch.cuda.is_available() else "cpu")
+                    int(os.environ["ALIGNER_BRIDGE_SIZE"]), os.environ["ALIGNER_BRIDGE_DEVICE"])
     try:
         serve(bridge, model, model_cfg, vocab_size, engine, answers=ps.get_tensor_model_parallel_rank() == 0)
     finally:

@@ -43,6 +43,7 @@ class RolloutWorkers:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         address = f"127.0.0.1:{free_port()}"
+        self.device, gpus = bridge_device(cfg)
         first_gpu = cfg.launcher.nproc_per_node  # the trainer's ranks hold the node's first GPUs
         self.procs, self.logs = [], []
         for worker in range(self.count):
@@ -55,8 +56,9 @@ class RolloutWorkers:
                            ALIGNER_ERROR_FILE=str(self.log_path(worker, rank).with_suffix(".error")),
                            OMP_NUM_THREADS=str(cfg.launcher.threads_per_rank))
                 env.pop("SLURM_PROCID", None)
-                if torch.cuda.is_available():
-                    env["CUDA_VISIBLE_DEVICES"] = str(first_gpu + worker * self.tp + rank)
+                env["ALIGNER_BRIDGE_DEVICE"] = self.device
+                if gpus:  # its own GPU after the trainer's; fewer GPUs than processes: shared in turn
+                    env["CUDA_VISIBLE_DEVICES"] = str((first_gpu + worker * self.tp + rank) % gpus)
                 log = open(self.log_path(worker, rank), "w")
                 self.logs.append(log)
                 self.procs.append(popen([sys.executable, "-m", "aligner.launch.worker", ENTRY, str(config_path),
@@ -72,7 +74,7 @@ class RolloutWorkers:
         thread while the workers are watched: one that dies while starting ends the wait."""
         made: list = []
         thread = threading.Thread(target=lambda: made.append(Bridge(self.address, 0, 1 + self.count * self.tp,
-                                                                    _device_kind())), daemon=True)
+                                                                    self.device)), daemon=True)
         thread.start()
         while thread.is_alive():
             self.check_alive()
@@ -178,5 +180,13 @@ class RolloutWorkers:
         self.close(grace_s=1.0)
 
 
-def _device_kind() -> str:
-    return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+
+def bridge_device(cfg) -> tuple[str, int]:
+    """(the bridge's device, the GPUs on this node). NCCL ("cuda") when the trainer runs on NCCL and every
+    trainer rank and worker process has a GPU of its own; else gloo over CPU copies ("cpu"): NCCL refuses two
+    processes on one GPU, which is how a one-GPU machine runs a trainer and a worker."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    g = cfg.generation
+    own = gpus >= cfg.launcher.nproc_per_node + g.workers * g.tensor_model_parallel_size
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return ("cuda" if gpus and own and nccl else "cpu"), gpus

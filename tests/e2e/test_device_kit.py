@@ -23,7 +23,8 @@ DRY_STATUS = {"env": {"pass"}, "pytest_gpu": {"skipped"}, "sft": {"pass"}, "chec
               "grpo": {"pass"}, "reinforce": {"pass"},
               "ppo": {"pass", "skipped"},  # skipped without PyTriton
               "generate": {"pass"}, "mfu": {"pass"},
-              "trl": {"pass", "skipped"}}  # skipped without the TRL peer baseline's scripts or trl
+              "trl": {"pass", "skipped"},  # skipped without the TRL peer baseline's scripts or trl
+              "rl_async": {"pass"}}
 
 
 def accept(*args: str, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -67,6 +68,8 @@ def test_dry_run_records_every_check_with_its_figures(dry_run):
         assert c["te"][load] == {"weights_differ": [], "logits_rel": 0.0, "absent": [], "left_over": []}, load
     for rl in ("grpo", "reinforce"):
         assert c[rl]["finite"] and 1.0 <= c[rl]["token_prob_error_max"] <= 1.1 and c[rl]["doctor_exit"] == 0
+    assert c["rl_async"]["lag"] == [0.0, 1.0, 1.0] and c["rl_async"]["finite"]  # a separate worker at lag 1
+    assert all(0 < busy <= 1 for busy in c["rl_async"]["worker_busy"])
     assert c["generate"]["logits_rel_diff"] <= 5e-2
     assert [r["batch"] for r in c["generate"]["throughput"]] == [1, 4]
     assert all(r["aligner_tokens_per_s"] > 0 and r["transformers_tokens_per_s"] > 0
