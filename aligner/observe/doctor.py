@@ -178,7 +178,10 @@ def reward_hacking(run: Run) -> Finding | None:
 
 
 def token_prob_error(run: Run) -> Finding | None:
-    points = series(run.rows, "mismatch/token_prob_error")
+    # a lagged step's samples come from an older policy on purpose (asynchronous RL): its mismatch measures the
+    # policy's drift too, which the importance weights correct; only lag-0 steps show the engine's own error
+    lagged = {row["step"] for row in run.rows if row.get("async/lag", 0.0) > 0}
+    points = [(s, v) for s, v in series(run.rows, "mismatch/token_prob_error") if s not in lagged]
     bad = [(s, v) for s, v in points if v > TOKEN_PROB_ERROR_MAX]
     if not bad:
         return None

@@ -115,6 +115,11 @@ def test_findings_name_their_numbers(tmp_path):
     assert "timing/generate_s grew 3.3x" in found["throughput_drop"].seen  # the phase that slowed
     found = fired(write_run(tmp_path / "b", SYMPTOMS["token_prob_error"][0](healthy_rows())))
     assert "1.15 > 1.1" in found["token_prob_error"].seen and "2 of 30 steps" in found["token_prob_error"].seen
+    # asynchronous RL: lagged steps train an older policy's samples on purpose; only lag-0 steps are judged
+    lagged = changed(SYMPTOMS["token_prob_error"][0](healthy_rows()), "async/lag", lambda s: 0.0 if s == 1 else 1.0, 1)
+    assert "token_prob_error" not in fired(write_run(tmp_path / "c", lagged))
+    assert "token_prob_error" in fired(write_run(tmp_path / "d", changed(lagged, "mismatch/token_prob_error",
+                                                                         lambda s: 1.2 if s == 1 else 1.0, 1)))
 
 
 def test_unscored_quotes_the_log_line_that_says_why(tmp_path):
