@@ -336,9 +336,6 @@ def validate_placement(cfg) -> None:
     if tp < 1 or m.num_attention_heads % tp or groups % tp:
         raise ConfigError(f"generation.tensor_model_parallel_size={tp} must divide the model's attention heads "
                           f"({m.num_attention_heads}) and query groups ({groups})")
-    if cfg.algorithm.dynamic_sampling.enabled:
-        raise ConfigError("algorithm.dynamic_sampling refills a step with new prompts on the trainer's weights; with "
-                          "generation.placement=separate use generation.placement=colocated for DAPO's dynamic sampling")
     if g.check_refit:
         raise ConfigError("generation.check_refit compares an in-process engine's weights with the trainer's; separate "
                           "rollout workers hold their own copy: set generation.check_refit=false")

@@ -162,3 +162,27 @@ def test_a_cp2_trainer_with_a_tp2_worker_matches_one_process(tiny_assets, rl_ass
     for key in ("loss", "grad_norm", "kl/mean", "entropy/mean", "advantages/std", "mismatch/kl"):
         assert first[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
 
+
+
+def test_dynamic_sampling_refills_with_lagged_workers_resume_and_match_colocated(tiny_assets, rl_assets, tmp_path):
+    """DAPO's refills (groups of all-equal rewards dropped and replaced) are drawn from the same sampler and
+    generated on the trainer's live weights: at lag 0 a separate run equals the colocated one; at lag 1 a run
+    SIGKILLed after step 3 resumes (its pending order from the checkpoint) to the uninterrupted metrics."""
+    dapo = (*STEPS, "algorithm.num_generations=2", "trainer.global_batch_size=8",  # pairs: often of equal length
+            "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_refills=1")
+    lagged = (*SEPARATE, "algorithm.async.max_lag=1")
+    runs = {name: grpo(tiny_assets, rl_assets, tmp_path / name, *dapo, *extra)
+            for name, extra in (("colocated", ()), ("separate", SEPARATE), ("lagged", lagged))}
+    assert sum(m["fraction/dropped_groups"] for m in runs["colocated"]) > 0  # refills happened
+    for ours, ref in zip(runs["separate"], runs["colocated"]):
+        for key in KEYS + ("fraction/dropped_groups",):
+            assert ours.get(key) == ref.get(key), (ours["step"], key)
+    run_dir = tmp_path / "killed"
+    process = start_cli(*grpo_args(tiny_assets, rl_assets, run_dir, *dapo, *lagged))
+    kill_when_logged(process, run_dir, 3)
+    process.wait()
+    resumed = grpo(tiny_assets, rl_assets, run_dir, *dapo, *lagged)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for ours, ref in zip(resumed, runs["lagged"]):
+        for key in KEYS + ("fraction/dropped_groups", "async/lag"):
+            assert ours.get(key) == ref.get(key), (ours["step"], key)

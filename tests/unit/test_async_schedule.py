@@ -42,7 +42,6 @@ def test_importance_weights_and_their_truncated_fraction_by_hand():
     (["generation.placement=separate", "generation.workers=0"], r"generation.workers >= 1"),
     (["generation.placement=separate", "generation.tensor_model_parallel_size=3"],
      r"generation.tensor_model_parallel_size=3 must divide the model's attention heads"),
-    (["generation.placement=separate", "algorithm.dynamic_sampling.enabled=true"], r"dynamic_sampling"),
     (["algorithm.async.max_lagg=1"], r"max_lagg"),
 ])
 def test_async_settings_that_cannot_run_are_refused_in_one_line(overrides, fragment):
@@ -53,6 +52,7 @@ def test_async_settings_that_cannot_run_are_refused_in_one_line(overrides, fragm
 
 def test_a_lagged_separate_run_is_accepted():
     cfg = load_config("grpo", GRPO + ["generation.placement=separate", "generation.workers=2",
+                                      "algorithm.dynamic_sampling.enabled=true",
                                       "generation.tensor_model_parallel_size=2", "algorithm.async.max_lag=4"],
                       world_size=1)
     assert cfg.algorithm["async"].max_lag == 4 and cfg.generation.workers == 2

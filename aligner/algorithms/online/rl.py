@@ -58,9 +58,10 @@ class RLTrainer(RolloutTrainer):
         self.kl_coef = a.kl.coef
 
     def loop_state(self) -> dict:
-        return {"kl_coef": self.kl_coef}
+        return {**super().loop_state(), "kl_coef": self.kl_coef}
 
     def load_loop_state(self, state: dict) -> None:
+        super().load_loop_state(state)
         self.kl_coef = state.get("kl_coef", self.kl_coef)
 
     # ---- one step ---------------------------------------------------------------------------------------

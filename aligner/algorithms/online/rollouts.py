@@ -59,6 +59,7 @@ class RolloutTrainer(Trainer):
                                      seed=cfg.trainer.seed)
         self.loss_step = None
         self.first_sample_id = 0  # seed index of the first sample of the prompts just drawn
+        self.drawn_indices: list[int] = []  # their indices in the prompt set
         separate = cfg.generation.get("placement", "colocated") == "separate"
         self.separate = SeparateRollouts(self, workers, algorithm["async"].max_lag) if separate else None
 
@@ -73,16 +74,19 @@ class RolloutTrainer(Trainer):
         generated = sum(len(s.response_ids) for s in samples)
         seconds = timings["generate"] if self.separate is None else self.separate.worker_seconds
         metrics["throughput/generated_tokens_per_s"] = generated / max(seconds, 1e-9)
-        metrics["consumed_samples"] = self.sampler_state()["consumed_samples"]
+        ahead = self.separate.pending_samples() if self.separate is not None else 0  # drawn for later steps
+        metrics["consumed_samples"] = self.sampler.state_dict()["consumed_samples"] - ahead
         if self.separate is not None:
             metrics.update(self.separate.metrics(self.step + 1))
         self.write_rollouts(samples)
         return metrics
 
-    def sampler_state(self) -> dict:
-        if self.separate is not None and self.separate.trained_sampler is not None:
-            return self.separate.trained_sampler  # orders for the next steps have drawn beyond it
-        return super().sampler_state()
+    def loop_state(self) -> dict:
+        return {"separate": self.separate.state()} if self.separate is not None else {}
+
+    def load_loop_state(self, state: dict) -> None:
+        if self.separate is not None:
+            self.separate.load_state(state.get("separate", {}))
 
     def save(self) -> None:
         if self.separate is not None:
@@ -105,7 +109,7 @@ class RolloutTrainer(Trainer):
 
     def next_prompts(self) -> list:
         """The step's prompts from the stateful sampler, and the id of their first sample."""
-        indices = self.sampler.next_global_batch()
+        indices = self.drawn_indices = self.sampler.next_global_batch()
         self.first_sample_id = (self.sampler.consumed_samples - len(indices)) * self.a.num_generations
         return [self.train_data[i] for i in indices]
 
@@ -128,7 +132,8 @@ class RolloutTrainer(Trainer):
         part = (rollout.responses(), rollout.response_logprobs(), rollout.is_end.tolist())
         parts = collectives.all_gather_object(part, group=ps.get_data_parallel_group(with_context_parallel=True))
         responses, logprobs, ends = ([x for p in parts for x in p[i]] for i in range(3))
-        return [Sample(prompts[k // n], r, lp, e) for k, (r, lp, e) in enumerate(zip(responses, logprobs, ends))]
+        return [Sample(prompts[k // n], r, lp, e, version=self.step)  # the live weights: `step` updates so far
+                for k, (r, lp, e) in enumerate(zip(responses, logprobs, ends))]
 
     def submit_scores(self, samples: list[Sample]):
         """The reward functions' future on global rank 0 (None elsewhere), stamped with its duration."""

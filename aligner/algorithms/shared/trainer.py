@@ -76,11 +76,6 @@ class Trainer:
     def load_loop_state(self, state: dict) -> None:
         """Restore `loop_state`'s dict at resume."""
 
-    def sampler_state(self) -> dict:
-        """The sampler where the trained steps left it, as a checkpoint records it (a loop that draws ahead
-        of training, as asynchronous RL does, records less than it has drawn)."""
-        return self.sampler.state_dict()
-
     # ---- one optimizer step -------------------------------------------------------------------------
     def step_micro_batches(self, samples: list) -> tuple[list[dict], int]:
         """This DP rank's micro-batches of a step's samples, and their common sequence length."""
@@ -121,7 +116,7 @@ class Trainer:
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self) -> None:
-        state = {"step": self.step, "sampler": self.sampler_state(), "scheduler": self.scheduler.state_dict(),
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "loop": self.loop_state()}
         path = checkpoint.save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.step:06d}", self.model,
                                           self.cfg.model, self.vocab_size, optimizer=self.optimizer,
