@@ -1,0 +1,60 @@
+"""aligner.envs, the in-process pieces: the calculator, `env.name` resolution, the checks of step results, and
+the chat-template rendering of observations (the tiny tokenizer). Worker processes, the sandbox and the episode
+runner: tests/integration/test_envs.py."""
+import pytest
+
+from aligner.envs import Calculator, PythonTool, resolve_environment
+from aligner.envs.base import check_step
+from aligner.envs.episodes import Renderer
+from aligner.envs.tools import calculate
+
+F = "tests.env_fixtures"
+
+
+def test_calculator_evaluates_arithmetic_and_refuses_the_rest():
+    assert calculate("12*(3+4) - 5") == "79"
+    assert calculate("7/2") == "3.5" and calculate("8/2") == "4" and calculate("-2**3") == "-8"
+    assert calculate("1/0").startswith("error: ZeroDivisionError")
+    assert calculate("__import__('os')").startswith("error: ValueError")
+    assert calculate("2**10**9").startswith("error: ValueError: exponent")
+
+
+def test_calculator_episode_scored_by_the_reward_functions():
+    env = Calculator(rewards=["arithmetic"])
+    assert env.reset({"prompt": "What is 123*45?", "answer": "5535"}) is None
+    assert env.step("let me see <calc>123*45</calc>") == ("5535", None, False)
+    assert env.step("The answer is 5535") == (None, 1.0, True)
+    env.reset({"prompt": "?", "answer": "5535"})
+    assert env.step("5536") == (None, 0.0, True)
+    assert Calculator().step("no reward functions") == (None, None, True)  # unscored, not 0
+
+
+def test_resolution_by_name_and_the_bad_names():
+    assert resolve_environment("python") is PythonTool and resolve_environment("calculator") is Calculator
+    assert resolve_environment(f"{F}:Slow").__name__ == "Slow"
+    for name, says in (("abacus", "unknown environment 'abacus'"), (f"{F}:Nope", "cannot be loaded"),
+                       (f"{F}:NoStep", "a class without step"), (f"{F}:AWKWARD", "a list, not a class"),
+                       ("no_such_module:X", "cannot be loaded (ModuleNotFoundError")):
+        with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+            resolve_environment(name)
+
+
+def test_step_results_are_checked():
+    assert check_step(("obs", 1, False)) == ("obs", 1.0, False)
+    assert check_step(([{"role": "tool", "content": "x"}], None, True))[0] == [{"role": "tool", "content": "x"}]
+    for bad, says in ((("x", 1.0), "expected"), (("x", float("inf"), False), "finite"), (("x", True, False), "finite"),
+                      (("x", None, 1), "done"), ((3, None, False), "observation"),
+                      (([{"role": "tool"}], None, False), "observation")):
+        with pytest.raises(TypeError, match=says):
+            check_step(bad)
+
+
+def test_observations_render_with_the_chat_template(tokenizer):
+    renderer = Renderer(tokenizer)
+    expected = tokenizer("<|tool|>4 <eos><|assistant|>", add_special_tokens=False)["input_ids"]
+    assert renderer.observation_ids("4 ") == expected
+    assert tokenizer.decode(renderer.observation_ids([{"role": "tool", "content": "a"}, {"role": "system",
+                                                                                        "content": "b"}])) \
+        == "<|tool|>a<eos><|system|>b<eos><|assistant|>"
+    assert renderer.observation_ids(None) == [tokenizer.convert_tokens_to_ids("<|assistant|>")]
+    assert tokenizer.decode(renderer.prompt_ids("hi")) == "<|user|>hi<eos><|assistant|>"
