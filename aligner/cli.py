@@ -125,6 +125,16 @@ def _check_rl_inputs(cfg) -> None:
             resolve_reward_functions(list(OmegaConf.select(cfg, key)))
         except ValueError as e:
             raise UsageError(str(e), key, "name a builtin or an importable package.module:function") from None
+    if OmegaConf.select(cfg, "env.name") is not None:
+        from aligner.envs import resolve_environment  # why: deferred (the reward functions' imports)
+
+        try:
+            resolve_environment(cfg.env.name)
+        except ValueError as e:
+            raise UsageError(str(e), "env.name", "name a builtin (calculator, python) or an importable "
+                             "package.module:Class with reset and step") from None
+        raise UsageError("multi-turn episodes (aligner/envs) are not wired into the RL step yet", "env.name",
+                         "leave env.name unset (single-turn rollouts)")
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     for path in (cfg.data.train_path, cfg.data.val_path):
         if path:

@@ -181,6 +181,18 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes (aligner/envs): the policy's turns interleaved with an environment's observations."""
+
+    name: Optional[str] = None  # calculator | python | package.module:Class; null = single-turn rollouts
+    max_turns: int = 4  # assistant turns per episode
+    max_total_tokens: Optional[int] = None  # prompt + every turn and observation; null = model.seq_length
+    timeout_s: float = 30.0  # deadline of one reset/step call
+    concurrency: int = 8  # environment calls at once (worker processes)
+    failure_reward: float = 0.0  # an episode whose environment raised, overran its deadline or returned garbage
+
+
+@dataclass
 class RLRunConfig(TrainRunConfig):
     run_dir: str = "runs/grpo"
     data: PromptDataConfig = field(default_factory=PromptDataConfig)  # type: ignore[assignment]
@@ -189,6 +201,7 @@ class RLRunConfig(TrainRunConfig):
     sampling: RLSamplingConfig = field(default_factory=RLSamplingConfig)
     generation: RLGenerationConfig = field(default_factory=RLGenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     # `async` is a Python keyword, so no dataclass field can carry it; config/load.py adds these nodes
     keyword_groups: ClassVar[dict] = {"algorithm.async": AsyncConfig}
 
@@ -318,6 +331,22 @@ def _validate_online(cfg, ppo: bool) -> None:
         raise ConfigError("generation.batch_size must be >= 1")
     validate_generation_backend(cfg.generation.backend, cfg.generation.check_refit)
     validate_placement(cfg)
+    validate_env(cfg)
+
+
+def validate_env(cfg) -> None:
+    """env.*: multi-turn episodes (the name itself is resolved before launch, in the CLI: aligner.envs)."""
+    e = cfg.get("env")
+    if e is None:
+        return
+    if e.max_turns < 1:
+        raise ConfigError(f"env.max_turns must be >= 1 (assistant turns per episode), got {e.max_turns}")
+    if e.timeout_s <= 0 or e.concurrency < 1:
+        raise ConfigError(f"env.timeout_s must be > 0 and env.concurrency >= 1, got {e.timeout_s} and {e.concurrency}")
+    seq, prompt = cfg.model.seq_length, cfg.data.max_length
+    if e.max_total_tokens is not None and not prompt < e.max_total_tokens <= seq:
+        raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} must exceed data.max_length={prompt} (the "
+                          f"prompt) and fit model.seq_length={seq}")
 
 
 def validate_placement(cfg) -> None:

@@ -58,3 +58,46 @@ def test_observations_render_with_the_chat_template(tokenizer):
         == "<|tool|>a<eos><|system|>b<eos><|assistant|>"
     assert renderer.observation_ids(None) == [tokenizer.convert_tokens_to_ids("<|assistant|>")]
     assert tokenizer.decode(renderer.prompt_ids("hi")) == "<|user|>hi<eos><|assistant|>"
+
+
+GRPO = ["data.train_path=prompts.jsonl", "tokenizer.path=tok", "model.pretrained=null", "reward.functions=[arithmetic]"]
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["env.name=calculator", "env.max_turns=0"], r"env.max_turns must be >= 1"),
+    (["env.max_turns=-1"], r"env.max_turns must be >= 1"),
+    (["env.name=calculator", "env.concurrency=0"], r"env.concurrency >= 1"),
+    (["env.name=calculator", "env.timeout_s=0"], r"env.timeout_s must be > 0"),
+    (["env.name=calculator", "env.max_total_tokens=100000"], r"env.max_total_tokens=100000 must .* fit model.seq_length"),
+    (["env.max_turnz=2"], r"max_turnz"),
+])
+def test_env_settings_that_cannot_run_are_refused_in_one_line(overrides, fragment):
+    from aligner.config import load_config
+    from aligner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=fragment) as error:
+        load_config("grpo", GRPO + overrides, world_size=1)
+    assert "\n" not in str(error.value)
+
+
+def test_env_defaults_are_single_turn():
+    from aligner.config import load_config
+
+    cfg = load_config("grpo", GRPO, world_size=1)
+    assert cfg.env.name is None and cfg.env.max_turns == 4 and cfg.env.concurrency == 8
+    assert load_config("reinforce", GRPO + ["env.name=python", "env.max_turns=3"], world_size=1).env.max_turns == 3
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("abacus", "unknown environment 'abacus'"), (f"{F}:NoStep", "a class without step"),
+    (f"{F}:Slow", "not wired into the RL step yet"),
+])
+def test_the_cli_resolves_env_name_before_launch(name, fragment):
+    from aligner.cli import _check_rl_inputs
+    from aligner.config import load_config
+    from aligner.errors import UsageError
+
+    cfg = load_config("grpo", GRPO + [f"env.name={name}"], world_size=1)
+    with pytest.raises(UsageError, match=fragment) as error:
+        _check_rl_inputs(cfg)
+    assert "env.name" in str(error.value) and "\n" not in str(error.value)
