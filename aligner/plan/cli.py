@@ -22,7 +22,7 @@ import json
 from aligner.config.load import compose_config
 from aligner.config.registry import ALGORITHMS
 from aligner.errors import UsageError
-from aligner.plan.estimate import Lengths, plan_run
+from aligner.plan.estimate import Lengths, gpu_count, plan_run
 from aligner.plan.hardware import detect
 from aligner.plan.layout import Cluster, accelerator, layout_errors
 
@@ -98,6 +98,11 @@ def plan(algorithm: str, overrides: list[str]) -> dict:
                       options["plan.response_length"] or (cfg.sampling.max_new_tokens if rl else 0))
     result = plan_run(cfg, algorithm, cluster, lengths, vocab_size(cfg), str(cfg.model.get("recompute") or "none"))
     errors = memory_errors(cfg, result, hw.name)
+    head["cluster"]["gpus"] = gpu_count(result)
+    if "workers" in result["components"].get("generation", {}):
+        g = cfg.generation
+        head["cluster"].update(workers=g.workers, worker_tp=g.tensor_model_parallel_size,
+                               max_lag=cfg.algorithm["async"].max_lag)
     return {**head, "fits": not errors, "step_time_s": round(result["timing"]["step_s"], 6),
             "components": result["components"], "errors": errors, "usable_gib_per_gpu": round(result["usable_gib"], 3),
             "timing": {k: round(v, 6) for k, v in result["timing"].items()}}
@@ -125,7 +130,7 @@ def preflight(algorithm: str, cfg, world_size: int, nodes: int) -> None:
 def memory_errors(cfg, result: dict, gpu: str) -> list[str]:
     """One sentence per group of GPUs over its memory: what is needed, what there is, what to change."""
     c, usable, errors = result["components"], result["usable_gib"], []
-    trainer = [n for n in ("actor", "reference", "generation") if n in c]
+    trainer = [n for n in ("actor", "reference", "generation", "validation") if n in c and "workers" not in c[n]]
     need = sum(c[n]["memory_gib_per_gpu"] for n in trainer)
     if need > usable:
         parts = ", ".join(f"{n} {c[n]['memory_gib_per_gpu']:.1f}" for n in trainer)
@@ -143,10 +148,16 @@ def memory_errors(cfg, result: dict, gpu: str) -> list[str]:
             fixes.append(" or ".join(smaller))
         if c.get("reference", {}).get("params_gib", 0) > 0:
             fixes.append("reference.mode=cpu_swap (its weights wait in host memory)")
-        if c.get("generation", {}).get("kv_cache_gib", 0) > 0.1 * need:
+        if sum(c[n].get("kv_cache_gib", 0) for n in trainer) > 0.1 * need:
             fixes.append("a smaller generation.batch_size (KV cache)")
         errors.append(f"the trainer's GPUs need {need:.1f} GiB each ({parts}) but a {gpu} has {usable:.1f} GiB "
                       f"usable; try " + "; or ".join(fixes) + ", or more cluster.nodes")
+    workers = c.get("generation", {})
+    if "workers" in workers and workers["memory_gib_per_gpu"] > usable:
+        errors.append(f"the rollout workers' GPUs need {workers['memory_gib_per_gpu']:.1f} GiB each (weights "
+                      f"{workers['params_gib']:.1f}, KV cache {workers['kv_cache_gib']:.1f}) but a {gpu} has "
+                      f"{usable:.1f} GiB usable; try a larger generation.tensor_model_parallel_size or a smaller "
+                      f"generation.batch_size")
     if "critic" in c and c["critic"]["memory_gib_per_gpu"] > usable:
         errors.append(f"the critic service's GPUs need {c['critic']['memory_gib_per_gpu']:.1f} GiB each but a {gpu} "
                       f"has {usable:.1f} GiB usable; try a larger critic.parallel.tensor_model_parallel_size or "
@@ -159,7 +170,10 @@ def table(result: dict) -> str:
     """The readable form: per component its memory per GPU, then the step's phases."""
     lines = [f"aligner plan {result['algorithm']}: {result['cluster']['nodes']} node(s)"
              + (f" + {result['cluster']['service_nodes']} service node(s)" if result['cluster']['service_nodes'] else "")
-             + f" x {result['cluster']['gpus_per_node']} {result['cluster']['gpu']}"]
+             + f" x {result['cluster']['gpus_per_node']} {result['cluster']['gpu']}"
+             + (f", + {result['cluster']['workers']} rollout worker(s) x TP{result['cluster']['worker_tp']} at lag "
+                f"{result['cluster']['max_lag']}: {result['cluster']['gpus']} GPUs in all"
+                if "workers" in result["cluster"] else "")]
     columns = ("params_gib", "grads_gib", "optimizer_gib", "activations_gib", "kv_cache_gib", "host_gib")
     if result["components"]:
         lines.append(f"{'component':<11}{'GPUs':>6}  {'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'KV':>8}"

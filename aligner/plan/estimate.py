@@ -87,6 +87,42 @@ def _has_reference(cfg) -> bool:
     return not ("algorithm" in cfg and cfg.algorithm.kl.mode == "none")
 
 
+def _separate(cfg) -> bool:
+    """Online RL with rollout workers of their own (generation.placement=separate)."""
+    return cfg.generation.get("placement", "colocated") == "separate"
+
+
+def worker_shape(cfg, vocab_size: int) -> M.Shape:
+    """The policy as a rollout worker holds it: the trainer's model at generation.tensor_model_parallel_size (its
+    vocabulary padded for that TP), no pipeline or context parallelism."""
+    return M.Shape.of(_with_tp(cfg.model, cfg.generation.tensor_model_parallel_size), vocab_size)
+
+
+def _workers(cfg, trainer_shape: M.Shape, seq: int, dtype: str, vocab_size: int) -> dict:
+    """The rollout workers' GPUs (generation.workers x generation.tensor_model_parallel_size): each holds the whole
+    policy at its TP (no PP), and while it generates the KV cache and last-slot logits of at most
+    generation.batch_size of its share of the step's samples; between generate calls it receives the weight
+    stream a bucket at a time, which never coexists with the cache: weights + the larger of the two."""
+    g = cfg.generation
+    wtp, shape = g.tensor_model_parallel_size, worker_shape(cfg, vocab_size)
+    batch = max(min(g.batch_size, -(-_samples(cfg) // g.workers)), 1)
+    kv = M.kv_cache_bytes(shape, seq, batch, wtp, 1, dtype)
+    logits = batch * shape.vocab * 4
+    bucket = M.bridge_bucket_bytes(trainer_shape, dtype)
+    weights = M.weight_bytes(M.parameters_per_gpu(shape, wtp, 1), dtype)
+    return {**_component(g.workers * wtp, f"{g.workers} worker(s) x TP{wtp} (a whole copy each)",
+                         total_gib=(weights + max(kv + logits, bucket)) / GIB, params_gib=weights / GIB,
+                         kv_cache_gib=kv / GIB, logits_gib=logits / GIB, bucket_gib=bucket / GIB),
+            "workers": g.workers}
+
+
+def gpu_count(result: dict) -> int:
+    """Every GPU the run takes: the trainer's, PPO's service's and the rollout workers'."""
+    c = result["components"]
+    return sum(c[n]["gpus"] for n in ("actor", "critic", "generation") if n in c and (
+        n != "generation" or "workers" in c[n]))
+
+
 def plan_run(cfg, algorithm: str, cluster: Cluster, lengths: Lengths, vocab_size: int, recompute: str) -> dict:
     """{"components": {...}, "timing": {...}, "usable_gib": float} (no layout checks: layout.py's job)."""
     m, t, hw = cfg.model, cfg.trainer, cluster.hw
@@ -118,21 +154,26 @@ def plan_run(cfg, algorithm: str, cluster: Cluster, lengths: Lengths, vocab_size
             _component(cluster.gpus, layout + " (the actor's base, adapters off)", params_gib=0.0)
             if lora is not None else _component(cluster.gpus, layout, params_gib=0.0 if swap else weights,
                                                 host_gib=weights if swap else 0.0))
-    if rl:  # the engine decodes at most its batch of this DP rank's samples at once
-        batch = max(min(cfg.generation.batch_size, _samples(cfg) // dp), 1)
+    if rl:  # the engine decodes at most its batch of this replica's samples at once (each CP rank is a replica)
+        separate = _separate(cfg)
+        batch = max(min(cfg.generation.batch_size, _samples(cfg) // (dp * cp)), 1)
         kv = M.kv_cache_bytes(shape, seq, batch, tp, pp, dtype)
         logits = batch * shape.vocab * 4
         merged = 0.0 if lora is None else M.merged_weight_bytes(shape, lora, tp, pp, dtype)
         # The KV cache lives only inside a generate call (lean_decode: per call), when no activations are
         # held, and the training step's activations are freed before the next generation: the two never
         # coexist. The trainer's GPUs hold the larger, so generation adds only what exceeds the activations.
-        # A LoRA actor's merged weights are made per generate call too.
+        # A LoRA actor's merged weights are made per generate call too. With separate workers the trainer's
+        # engine still generates validation's samples and DAPO's refills (component `validation`).
         parts = {"kv_cache_gib": kv / GIB, "logits_gib": logits / GIB}
         if lora is not None:
             parts["merged_gib"] = merged / GIB
-        components["generation"] = _component(
-            cluster.gpus, layout + (" (the actor's weights)" if lora is None else " (the actor's weights, merged)"),
-            total_gib=max(0.0, (kv + logits + merged - acts) / GIB), **parts)
+        what = "the actor's weights" + ("" if lora is None else ", merged") + (
+            ": validation, DAPO's refills" if separate else "")
+        components["validation" if separate else "generation"] = _component(
+            cluster.gpus, f"{layout} ({what})", total_gib=max(0.0, (kv + logits + merged - acts) / GIB), **parts)
+        if separate:
+            components["generation"] = _workers(cfg, shape, seq, dtype, vocab_size)
     if "critic" in cfg:
         components.update(_service(cfg, cluster, shape, seq, dtype, impl, recompute, vocab_size))
     timing = _step_time(cfg, algorithm, cluster, shape, lengths, dtype, recompute, vocab_size)
@@ -205,10 +246,16 @@ def _step_time(cfg, algorithm: str, cluster: Cluster, shape, lengths: Lengths, d
                 swap_in if cfg.reference.mode == "cpu_swap" else 0.0)
         out["step_s"] = sum(out.values())
         return out
-    a = cfg.algorithm
+    a, g = cfg.algorithm, cfg.generation
     samples, tokens = a.prompts_per_step * a.num_generations, lengths.prompt + lengths.response
-    out["generate_s"] = T.generation_seconds(shape, samples, lengths.prompt, lengths.response,
-                                             cfg.generation.batch_size, tp, pp, dp, dtype, hw)
+    separate = _separate(cfg)
+    if separate:  # the workers: each a whole copy at its own TP, no PP; the step's samples split between them
+        out["generate_s"] = T.generation_seconds(worker_shape(cfg, vocab_size), samples, lengths.prompt,
+                                                 lengths.response, g.batch_size, g.tensor_model_parallel_size, 1,
+                                                 g.workers, dtype, hw)
+    else:  # colocated: every data-parallel replica's engine, each CP rank one more (whole sequences)
+        out["generate_s"] = T.generation_seconds(shape, samples, lengths.prompt, lengths.response, g.batch_size,
+                                                 tp, pp, dp * cp, dtype, hw)
     updates = a.ppo_epochs * samples // t.global_batch_size
     ppo = "critic" in cfg
     old = ppo or updates > 1 or (_has_reference(cfg) and a.kl.mode == "reward")
@@ -217,33 +264,65 @@ def _step_time(cfg, algorithm: str, cluster: Cluster, shape, lengths: Lengths, d
                           + (swap_in if cfg.reference.mode == "cpu_swap" else 0.0)) if _has_reference(cfg) else 0.0
     out["train_s"] = a.ppo_epochs * T.train_seconds(shape, samples, tokens, gpus, pp, micro, hw, recompute,
                                                     adapters=adapters)
-    out["refit_s"] = 0.0  # the in-process engine reads the live weights
-    actor_path = sum(out.values())
-    if not ppo:  # GRPO: the reward functions score while the log-probs run (CPU work, not modelled)
-        out["step_s"] = actor_path
-        return out
-    # PPO: the service infers (critic values + reward scores, one chunk of generation.batch_size prompts
-    # at a time, as each is generated) while the actor generates and computes log-probs; the critic trains
-    # while the actor updates and refits.
-    c = cfg.critic
+    if separate:
+        out["broadcast_s"] = broadcast_seconds(M.parameter_count(shape), dtype, hw)
+    else:
+        out["refit_s"] = 0.0  # the in-process engine reads the live weights
+    if ppo:
+        out.update(_service_time(cfg, cluster, lengths, out, separate, dtype, recompute, vocab_size))
+    generate, broadcast = out["generate_s"], out.get("broadcast_s", 0.0)
+    trainer = sum(v for k, v in out.items() if k not in ("generate_s", "broadcast_s", "critic_infer_s",
+                                                             "critic_train_s"))
+    out["step_s"] = step_seconds(generate, trainer, broadcast, a["async"].max_lag if separate else 0)
+    return out
+
+
+def broadcast_seconds(parameters: int, dtype: str, hw) -> float:
+    """The new weights to the rollout workers after a step: the whole model (gathered over the trainer's TP and PP
+    ranks, bucket by bucket) leaves global rank 0 as one broadcast; a pipelined broadcast moves the bytes once
+    over its slowest link, rank 0's InfiniBand port (the workers are on nodes of their own, the hetjob's);
+    on `cpu` every process is on one host, at the intra-node figure."""
+    link = hw.nvlink_bytes_per_s if hw.name == "cpu" else hw.ib_bytes_per_s
+    return T.transfer_seconds(M.weight_bytes(parameters, dtype), link)
+
+
+def step_seconds(generate: float, trainer: float, broadcast: float, max_lag: int) -> float:
+    """One RL step. Colocated (broadcast 0, max_lag 0) and separate at max_lag 0: the trainer waits for the step's
+    rollouts, generated after the last weights arrived: generate + trainer + broadcast. Separate at max_lag >= 1:
+    the workers generate the next steps' rollouts while this one trains, so in the steady state a step costs the
+    slower of the two, plus the broadcast, which stops both (a collective between trainer and workers)."""
+    if max_lag >= 1:
+        return max(generate, trainer) + broadcast
+    return generate + trainer + broadcast
+
+
+def _service_time(cfg, cluster: Cluster, lengths: Lengths, out: dict, separate: bool, dtype: str, recompute: str,
+                  vocab_size: int) -> dict:
+    """PPO's service phases. It infers (critic values + reward scores) while the actor computes log-probs: colocated,
+    one chunk of generation.batch_size prompts at a time, as each is generated (so during generation too); with
+    separate workers the step's rollouts arrive whole, in one request. The critic trains while the actor updates.
+    critic_wait, critic_tail and round_trips are the trainer's waits; critic_infer and critic_train overlap it."""
+    m, a, c, hw = cfg.model, cfg.algorithm, cfg.critic, cluster.hw
+    samples, tokens = a.prompts_per_step * a.num_generations, lengths.prompt + lengths.response
     cshape = M.Shape.of(_with_tp(m, c.parallel.tensor_model_parallel_size), vocab_size)
     sg = cluster.service_gpus
     cdtype = str(c.parallel.params_dtype or dtype)
     critic_weights = M.weight_bytes(M.parameters_per_gpu(cshape, c.parallel.tensor_model_parallel_size,
                                                          c.parallel.pipeline_model_parallel_size), cdtype)
-    chunks = -(-a.prompts_per_step // cfg.generation.batch_size)
+    chunks = 1 if separate else -(-a.prompts_per_step // cfg.generation.batch_size)
+    generating = 0.0 if separate else out["generate_s"]  # what the service overlaps before the log-probs
     swaps = 0 if _reward_is_critic_base(cfg) else chunks * 2
-    out["critic_infer_s"] = (2 * T.forward_seconds(cshape, samples, tokens, sg, hw)
-                             + swaps * T.transfer_seconds(critic_weights, hw.pcie_bytes_per_s))
-    service_done = max(out["generate_s"], out["generate_s"] / chunks + out["critic_infer_s"])
-    out["critic_wait_s"] = max(0.0, service_done - (out["generate_s"] + out["logprobs_s"] + out["reference_s"]))
+    t: dict[str, float] = {}
+    t["critic_infer_s"] = (2 * T.forward_seconds(cshape, samples, tokens, sg, hw)
+                           + swaps * T.transfer_seconds(critic_weights, hw.pcie_bytes_per_s))
+    service_done = max(generating, generating / chunks + t["critic_infer_s"])
+    t["critic_wait_s"] = max(0.0, service_done - (generating + out["logprobs_s"] + out["reference_s"]))
     cmicro = max(c.trainer.global_batch_size // (c.trainer.micro_batch_size * max(sg // (
         c.parallel.tensor_model_parallel_size * c.parallel.pipeline_model_parallel_size), 1)), 1)
     clora = M.Lora.of(c.get("lora"))
-    out["critic_train_s"] = c.trainer.epochs * T.train_seconds(
+    t["critic_train_s"] = c.trainer.epochs * T.train_seconds(
         cshape, samples, tokens, sg, c.parallel.pipeline_model_parallel_size, cmicro, hw, recompute,
         adapters=0 if clora is None else M.adapter_parameter_count(cshape, clora))
-    out["critic_tail_s"] = max(0.0, out["critic_train_s"] - (out["train_s"] + out["refit_s"]))
-    out["round_trips_s"] = (chunks + 2) * T.ROUND_TRIP_S
-    out["step_s"] = actor_path + out["critic_wait_s"] + out["critic_tail_s"] + out["round_trips_s"]
-    return out
+    t["critic_tail_s"] = max(0.0, t["critic_train_s"] - (out["train_s"] + out.get("refit_s", 0.0)))
+    t["round_trips_s"] = (chunks + 2) * T.ROUND_TRIP_S
+    return t

@@ -90,6 +90,33 @@ def batch_errors(cfg, dp: int) -> list[str]:
     return errors
 
 
+def placement_errors(cfg) -> list[str]:
+    """Online RL's generation.placement and algorithm.async.max_lag (aligner/config/rl_schema.py's rules). Context
+    parallelism is allowed: colocated, each CP rank generates whole sequences with the lean decoder (an extra
+    data-parallel replica of the engine; megatron's decode would split them); separate workers run without it."""
+    g, m, lag = cfg.generation, cfg.model, cfg.algorithm["async"].max_lag
+    errors = []
+    if m.context_parallel_size > 1 and g.decode == "megatron":
+        errors.append("under context parallelism each CP rank generates whole sequences with the lean decoder; "
+                      "set generation.decode=auto, or model.context_parallel_size=1")
+    if lag < 0:
+        errors.append(f"algorithm.async.max_lag={lag} is negative; set it to 0 (synchronous) or more")
+    if g.placement == "colocated":
+        if lag > 0:
+            errors.append(f"algorithm.async.max_lag={lag} needs rollout workers of their own; set "
+                          f"generation.placement=separate")
+        return errors
+    tp, groups = g.tensor_model_parallel_size, m.num_query_groups or m.num_attention_heads
+    if g.workers < 1:
+        errors.append(f"generation.placement=separate needs rollout workers; set generation.workers >= 1, got "
+                      f"{g.workers}")
+    if tp < 1 or m.num_attention_heads % tp or groups % tp:
+        fits = [d for d in _divisors(groups) if m.num_attention_heads % d == 0]
+        errors.append(f"generation: TP={tp} does not divide the {m.num_attention_heads} attention heads and {groups} "
+                      f"query groups; set generation.tensor_model_parallel_size to one of {fits}")
+    return errors
+
+
 def layout_errors(cfg, cluster: Cluster) -> list[str]:
     """Every layout rule the run breaks (empty: the layout is possible)."""
     m = cfg.model
@@ -99,9 +126,8 @@ def layout_errors(cfg, cluster: Cluster) -> list[str]:
             and cfg.reference.mode in ("model", "cpu_swap"):  # as aligner/config/validate.py refuses it
         errors.append(f"reference.mode={cfg.reference.mode} contradicts model.lora.rank={lora.rank}: a LoRA run's "
                       f"reference is its frozen base (the adapters off), with no copy; set reference.mode=null")
-    if "algorithm" in cfg and m.context_parallel_size > 1:
-        errors.append("online RL generates with the training model, which does not run under context "
-                      "parallelism; set model.context_parallel_size=1")
+    if "algorithm" in cfg:
+        errors += placement_errors(cfg)
     if not errors:
         mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
         errors += batch_errors(cfg, cluster.gpus // mp)

@@ -72,6 +72,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+BRIDGE_BUCKET_BYTES = 1 << 30  # aligner/models/weight_stream.py's DEFAULT_BUCKET_BYTES (the planner imports no torch)
 LORA_COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # the other targets (linear_proj, linear_fc2) are row-parallel
 
 
@@ -216,6 +217,14 @@ def kv_cache_bytes(s: Shape, tokens: int, batch: int, tp: int, pp: int, dtype: s
     are split over TP (replicated when TP exceeds them)."""
     groups = max(s.groups / tp, 1)
     return 2 * (s.layers // pp) * tokens * batch * groups * s.head_dim * DTYPE_BYTES[dtype]
+
+
+def bridge_bucket_bytes(s: Shape, dtype: str) -> float:
+    """The largest weight-stream bucket a rollout worker receives at once (aligner/models/weight_stream.py:
+    buckets of at most 1 GiB, a larger tensor alone; megatron's full shapes: the padded vocabulary, fc1 as
+    gate and up together), and never more than the whole model."""
+    largest = max(s.vocab, 2 * s.ffn, s.qkv_width) * s.hidden * DTYPE_BYTES[dtype]
+    return min(max(BRIDGE_BUCKET_BYTES, largest), weight_bytes(parameter_count(s), dtype))
 
 
 # ---- LoRA (the module doc) -------------------------------------------------------------------------------------
