@@ -165,13 +165,20 @@ def timed_tree(cmd: list[str], env: dict, cwd: Path, log: Path, metrics: Path) -
             "step_service_cpu": step_service_cpu, "cmdlines": cmdlines, "service_pids": sorted(service_pids)}
 
 
-def run_trl(name: str, paths: dict, out: Path, steps: int, warmup: int, threads: int, attempt: int) -> dict:
+def run_trl(name: str, paths: dict, out: Path, steps: int, warmup: int, threads: int, attempt: int,
+            max_new_tokens: int | None = None) -> dict:
+    """The baseline's bench_grpo.py; `max_new_tokens` other than its 16 runs it through bench/trl_device.py,
+    which sets that response length."""
     algorithm = name.removeprefix("trl_")
     results = out / "trl_results" / str(attempt)
     env = {**os.environ, **OFFLINE, "TRL_BENCH_HOME": str(paths["trl_home"]), "TRL_BENCH_RESULTS": str(results),
            "BENCH_STEPS": str(steps), "BENCH_WARMUP": str(warmup), "BENCH_THREADS": str(threads),
            "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    cmd = [TRL_PYTHON, "bench_grpo.py", *(["--rloo"] if algorithm == "rloo" else [])]
+    script = ["bench_grpo.py"]
+    if max_new_tokens is not None:
+        env["TRL_BENCH_MAX_NEW_TOKENS"] = str(max_new_tokens)
+        script.insert(0, str(REPO / "bench" / "trl_device.py"))
+    cmd = [TRL_PYTHON, *script, *(["--rloo"] if algorithm == "rloo" else [])]
     load = timed(cmd, env, TRL_BENCH_DIR, out / f"{name}.{attempt}.log")
     del load["step_cpu"]
     r = json.loads((results / f"{algorithm}.json").read_text())

@@ -29,6 +29,8 @@ def main() -> None:
             return {**cpu_args(), "use_cpu": False, "bf16": os.environ.get("TRL_BENCH_BF16") == "1"}
 
         common.common_args = device_args
+    if os.environ.get("TRL_BENCH_MAX_NEW_TOKENS"):
+        common.RUN["rl_max_new_tokens"] = int(os.environ["TRL_BENCH_MAX_NEW_TOKENS"])
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
