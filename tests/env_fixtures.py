@@ -107,3 +107,25 @@ class Unbuildable(Environment):
 class NoStep:
     def reset(self, record):
         return None
+
+
+class Mixed(Environment):
+    """The record's `mode`: "ok" (done at the second step, reward 1), "first" (as ok, with a first observation
+    from reset that replaces the prompt), "reset" (reset raises), "raise", "hang" (past any deadline) or
+    "garbage" (a string for a reward), each at the first step."""
+
+    def reset(self, record):
+        self.mode, self.turns = record["mode"], 0
+        if self.mode == "reset":
+            raise KeyError("no such task")
+        return [{"role": "user", "content": "use the tool"}] if self.mode == "first" else None
+
+    def step(self, action):
+        self.turns += 1
+        if self.mode == "raise":
+            raise ValueError("bad tool")
+        if self.mode == "hang":
+            time.sleep(1000)
+        if self.mode == "garbage":
+            return "x", "one", False
+        return ("fine", None, False) if self.turns < 2 else (None, 1.0, True)
