@@ -135,6 +135,39 @@ def test_a_lora_row_is_the_fewest_nodes_that_fit(label):
     assert line == fewest_row(label, full, lora), "rerun `python -m tests.unit.test_readme_plans`"
 
 
+# ---- separate rollout workers beside colocated generation (README.md's table) -----------------------------------
+# A row's label: the recipe's 70B PPO (8 actor + 4 service nodes, the 70B block's mean lengths) and its placement.
+PPO_70B = ["examples/llama3_70b_ppo/ppo.overrides", "cluster.nodes=8", "cluster.service_nodes=4", *LENGTHS]
+PLACEMENTS = {
+    "colocated (the recipe)": [],
+    "separate, 4 workers x TP 8, lag 0": ["generation.placement=separate", "generation.workers=4",
+                                          "generation.tensor_model_parallel_size=8", "algorithm.async.max_lag=0"],
+    "separate, 4 workers x TP 8, lag 1": ["generation.placement=separate", "generation.workers=4",
+                                          "generation.tensor_model_parallel_size=8", "algorithm.async.max_lag=1"],
+}
+OVERLAPPED = ("generate_s", "broadcast_s", "critic_infer_s", "critic_train_s", "step_s")  # not the trainer's own
+
+
+def placement_row(label: str) -> str:
+    """| placement | GPUs | generate | the trainer's phases | broadcast | step | (seconds), as the planner has them."""
+    from aligner.plan.cli import plan  # why: as _plan's
+
+    path, *more = PPO_70B
+    result = plan("ppo", [*shlex.split(overrides(path)), *more, *PLACEMENTS[label]])
+    assert result["fits"], (label, result["errors"])
+    t = result["timing"]
+    trainer = sum(v for k, v in t.items() if k not in OVERLAPPED)
+    return (f"| {label} | {result['cluster']['gpus']} | {t['generate_s']:.1f} s | {trainer:.1f} s | "
+            f"{t.get('broadcast_s', 0.0):.1f} s | {t['step_s']:.1f} s |")
+
+
+@pytest.mark.parametrize("label", PLACEMENTS)
+def test_a_placement_row_is_the_planners(label):
+    line = next((line for line in (REPO / "README.md").read_text().splitlines() if line.startswith(f"| {label} |")),
+                None)
+    assert line == placement_row(label), "rerun `python -m tests.unit.test_readme_plans`"
+
+
 def rewrite() -> None:
     for readme in READMES:
         text = readme.read_text()
@@ -142,6 +175,9 @@ def rewrite() -> None:
         if readme.name == "README.md" and readme.parent == REPO:
             for label in FEWEST:
                 row = fewest_row(label, fewest(label, False), fewest(label, True))
+                new = re.sub(rf"^\| {re.escape(label)} \|.*$", lambda _: row, new, flags=re.M)
+            for label in PLACEMENTS:
+                row = placement_row(label)
                 new = re.sub(rf"^\| {re.escape(label)} \|.*$", lambda _: row, new, flags=re.M)
         if new != text:
             readme.write_text(new)
