@@ -4,7 +4,8 @@ entropy, importance-sampling and mismatch terms.
 
 Layout. A micro-batch is a sequence batch (`aligner.data.packing.build_micro_batches`, padded or
 packed rows) of samples' prompt + response, plus per-sample tensors indexed by *response token*:
-`response_mask`, `engine_logprobs` (and later `old_logprobs`, `ref_logprobs`) [n, T], `advantages`
+`response_mask` (1 on the tokens trained: the engine's; 0 on a multi-turn episode's observation tokens and
+on an invalid sample), `engine_logprobs` (and later `old_logprobs`, `ref_logprobs`) [n, T], `advantages`
 [n], `response_start` [n] (the prompt length). `response_values` moves the model's per-position
 values into that [n, T] layout (position p of sample i predicts its token p + 1, response token
 p + 1 - response_start[i]), so the maths in `maths` sees one row per sample, however the
@@ -44,7 +45,7 @@ def rl_micro_batches(groups: list[list[Sample]], pad_id: int, packing: dict, mul
                                 dtype=torch.float32)
 
         batch["response_start"] = torch.tensor([len(s.prompt.ids) for s in group])
-        batch["response_mask"] = rows(lambda s: [float(s.valid)] * len(s.response_ids))
+        batch["response_mask"] = rows(lambda s: [float(s.valid and m) for m in s.response_token_mask()])
         batch["engine_logprobs"] = rows(lambda s: list(s.engine_logprobs))
         batch["advantages"] = torch.tensor([s.advantage for s in group], dtype=torch.float32)
     return micro, length

@@ -29,11 +29,18 @@ class Sample:
     valid: bool = True
     advantage: float = 0.0
     version: int = 0  # the policy version it was generated with (the steps trained before; separate placement)
+    # a multi-turn episode's (aligner/envs/episodes.py): 1 on the engine's tokens, 0 on the environment's
+    # observations between turns; None = every response token is the engine's (single-turn)
+    token_mask: list[int] | None = None
+
+    def response_token_mask(self) -> list[int]:
+        """1 on the response tokens the loss trains (the engine's), 0 on observation tokens."""
+        return [1] * len(self.response_ids) if self.token_mask is None else list(self.token_mask)
 
     def sequence(self) -> tuple[list[int], list[int]]:
-        """(ids, mask): the prompt then the response, the response trained on."""
+        """(ids, mask): the prompt then the response, the response's own tokens trained on."""
         prompt = list(self.prompt.ids)
-        return prompt + self.response_ids, [0] * len(prompt) + [1] * len(self.response_ids)
+        return prompt + self.response_ids, [0] * len(prompt) + self.response_token_mask()
 
 
 def groups_of(samples: list[Sample], group_size: int) -> list[list[Sample]]:
