@@ -69,7 +69,8 @@ class Renderer:
         self.base = render_chat(tokenizer, self.BASE)
 
     def observation_ids(self, observation) -> list[int]:
-        messages = [{"role": "tool", "content": observation}] if isinstance(observation, str) else list(observation or [])
+        messages = [{"role": "tool", "content": observation}] if isinstance(observation, str) \
+            else list(observation or [])
         text = render_chat(self.tokenizer, self.BASE + messages, generation_prompt=True)
         if not text.startswith(self.base):
             raise ValueError("the chat template renders a conversation differently once an observation follows it; "

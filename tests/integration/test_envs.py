@@ -177,6 +177,47 @@ def test_eight_episodes_of_three_slow_turns_take_less_than_twice_one(engine, tok
     assert min(ratios) < 2, ratios
 
 
+def test_episode_samples_carry_the_mask_the_score_and_the_engines_log_probs(engine, tokenizer):
+    """The RL hook (algorithms/online/multiturn.py): samples of Scripted episodes with token_mask, score and
+    version; the trainer's forward over a whole multi-turn sequence gives the engine's log-probs at every
+    engine token within 1e-5 (temperature 1, no filtering: the sampling distribution is the model's)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from aligner.algorithms.online.multiturn import episode_samples, start_env_pool
+    from aligner.data.prompts import Prompt
+    from aligner.generation import rng
+
+    n = 6
+    cfg = OmegaConf.create({"env": {"name": f"{F}:Scripted", "max_turns": 5, "max_total_tokens": None,
+                                    "timeout_s": 10.0, "concurrency": 2, "failure_reward": -1.0},
+                            "reward": {"functions": [], "weights": None}})
+    prompts_ = [Prompt(ids, "?", {"seed": 100 + k, "tool_turns": 2}, f"x:{k}")
+                for k, ids in enumerate(prompts(tokenizer, n))]
+    pool = start_env_pool(cfg)
+    try:
+        samples, metrics = episode_samples(engine, tokenizer, prompts_, [rng.derive_seed(9, k) for k in range(n)],
+                                           params(tokenizer), cfg.env, pool, version=4, seq_length=256)
+    finally:
+        pool.close()
+    assert metrics["episode/turns_mean"] == 3 and metrics["episode/tool_calls_mean"] == 2
+    worst = 0.0
+    for sample in samples:
+        mask = sample.response_token_mask()
+        assert sample.version == 4 and 0 in mask and sample.score is not None and sample.valid
+        ids = list(sample.prompt.ids) + sample.response_ids
+        with torch.no_grad():
+            logits = engine.gpt(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, :, :len(tokenizer)]
+        logprobs = torch.log_softmax(logits.float(), -1)
+        start = len(sample.prompt.ids)
+        for j, (token, m) in enumerate(zip(sample.response_ids, mask)):
+            if m:
+                worst = max(worst, abs(logprobs[start + j - 1, token].item() - sample.engine_logprobs[j]))
+            else:
+                assert sample.engine_logprobs[j] == 0.0
+    assert worst <= TOL, worst
+
+
 def test_python_tool_runs_the_block_in_the_sandbox_and_truncates():
     env = PythonTool(rewards=["exact_match"], max_output_chars=20)
     env.reset({"prompt": "?", "answer": "42"})
@@ -194,7 +235,8 @@ def test_pool_failures_end_only_their_episode():
     with EnvPool(f"{F}:Raises", concurrency=2, timeout_s=0.5) as pool:
         assert pool.run([(0, "reset", {"fail_at": 1}), (1, "reset", {"fail_at": 2})]) == [(True, None)] * 2
         (ok0, why0), (ok1, obs1) = pool.run([(0, "step", "a"), (1, "step", "b")])
-        assert not ok0 and why0 == "step raised RuntimeError: the tool broke" and (ok1, obs1) == (True, ("fine", None, False))
+        assert not ok0 and why0 == "step raised RuntimeError: the tool broke"
+        assert (ok1, obs1) == (True, ("fine", None, False))
     with EnvPool(f"{F}:Hangs", concurrency=2, timeout_s=0.5, grace_s=0.5) as pool:
         pool.run([(0, "reset", {}), (1, "reset", {"stubborn": True}), (3, "reset", {})])
         started = time.monotonic()
@@ -203,8 +245,10 @@ def test_pool_failures_end_only_their_episode():
         assert results[0] == (False, "step ran past its deadline of 0.5 s (env.timeout_s)")
         assert not results[1][0] and "its worker process was killed" in results[1][1] and pool.restarts == 1
         # episode 3 shared the killed worker (3 mod 2 = 1): its environment is gone; worker 0 survived its alarm
-        assert pool.run([(3, "step", "")]) == [(False, "its environment was lost when a hung worker process was killed")]
-        assert pool.run([(2, "reset", {"hang_at": 2}), (2, "step", "")]) == [(True, None), (True, ("fine", None, False))]
+        lost = "its environment was lost when a hung worker process was killed"
+        assert pool.run([(3, "step", "")]) == [(False, lost)]
+        assert pool.run([(2, "reset", {"hang_at": 2}), (2, "step", "")]) == [(True, None),
+                                                                             (True, ("fine", None, False))]
     with EnvPool(f"{F}:Garbage", concurrency=1, timeout_s=5) as pool:
         kinds = ["tuple", "nan", "done", "observation", "message"]
         pool.run([(k, "reset", {"kind": kind}) for k, kind in enumerate(kinds)])

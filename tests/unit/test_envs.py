@@ -68,7 +68,8 @@ GRPO = ["data.train_path=prompts.jsonl", "tokenizer.path=tok", "model.pretrained
     (["env.max_turns=-1"], r"env.max_turns must be >= 1"),
     (["env.name=calculator", "env.concurrency=0"], r"env.concurrency >= 1"),
     (["env.name=calculator", "env.timeout_s=0"], r"env.timeout_s must be > 0"),
-    (["env.name=calculator", "env.max_total_tokens=100000"], r"env.max_total_tokens=100000 must .* fit model.seq_length"),
+    (["env.name=calculator", "env.max_total_tokens=100000"],
+     r"env.max_total_tokens=100000 must .* fit model.seq_length"),
     (["env.max_turnz=2"], r"max_turnz"),
 ])
 def test_env_settings_that_cannot_run_are_refused_in_one_line(overrides, fragment):
