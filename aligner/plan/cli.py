@@ -12,6 +12,9 @@ aligner/config, as `aligner train` does), plus the planner's:
 Activation recomputation is the run's own model.recompute (none | selective | full).
 LoRA is the run's own model.lora.rank (PPO's critic: critic.lora.rank): the frozen base, the adapters and no
 reference copy (aligner/plan/memory.py's LoRA note); the table names the rank and the adapter parameters.
+Online RL's generation.placement=separate adds generation.workers x generation.tensor_model_parallel_size GPUs
+of rollout workers (counted in the header's GPUs) and the weight broadcast to the step, overlapped with
+training at algorithm.async.max_lag >= 1; model.context_parallel_size > 1 is planned for RL as for SFT.
 The model's vocabulary is model.vocab_size, else the tokenizer's at tokenizer.path.
 Exit status: 0 the run fits, 1 it does not (each reason in `errors`, with its fix), 2 a usage error.
 """

@@ -13,7 +13,12 @@ Components and where they live:
   moves no bytes); its KV cache (of at most `generation.batch_size` of the rank's sequences) and the last
   slot's logits exist only while it generates, when the training step's activations do not: its
   memory_gib_per_gpu is what they need beyond the actor's activations (kv_cache_gib shows the cache); a
-  LoRA actor's merged weights (merged_gib) exist then too;
+  LoRA actor's merged weights (merged_gib) exist then too; each context-parallel rank is one more replica
+  of the engine (it generates whole sequences with its TP shard's whole weights);
+* with generation.placement=separate: `generation` is the rollout workers' own GPUs (`_workers`; `workers`
+  gives their count) and the trainer's engine, which still generates validation's samples and DAPO's
+  refills, is `validation`; the step adds the weight broadcast and overlaps generation with training at
+  algorithm.async.max_lag >= 1 (`step_seconds`);
 * `critic` and `reward` (PPO): the service's GPUs (cluster.service_nodes), the critic trained there (LoRA
   with critic.lora.rank > 0: its adapters and value head train), the reward model's weights in host
   memory, swapped into the critic's parameters to score (PCIe); a LoRA critic whose base is the reward
@@ -141,7 +146,8 @@ def plan_run(cfg, algorithm: str, cluster: Cluster, lengths: Lengths, vocab_size
     lora = M.Lora.of(m.get("lora"))
     adapters = None if lora is None else M.adapter_parameters_per_gpu(shape, lora, tp, pp)
     acts = M.activation_bytes(shape, seq, t.micro_batch_size * per_sample, micro, tp, pp, cp, sp, dtype, impl,
-                              recompute, logit_tokens=cfg.sampling.max_new_tokens if rl else None, lora=lora)
+                              recompute, lora=lora, logit_tokens=M.response_rows_per_cp_rank(
+                                  seq, cfg.sampling.max_new_tokens, cp) if rl else None)
     components = {"actor": _component(cluster.gpus, layout, **_model_state(params, dtype, dp,
                                                                          cfg.optim.distributed_optimizer, adapters),
                                       activations_gib=acts / GIB)}

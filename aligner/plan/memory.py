@@ -34,7 +34,8 @@ Conventions (what aligner builds: aligner/models/gpt.py, aligner/models/training
     the saved log-softmax (or the vocab-parallel softmax), the log-probs' gradient scattered into the
     vocabulary, the log-softmax backward's output; in the parameter dtype for the logits, fp32 for the rest),
     at the positions whose output the loss reads only (aligner.models.read_positions.output_at): an RL
-    sequence's response (`logit_tokens`: sampling.max_new_tokens), not its prompt;
+    sequence's response (`logit_tokens`: sampling.max_new_tokens; under CP the most of them one rank's two
+    load-balanced chunks hold, `response_rows_per_cp_rank`), not its prompt;
   - the last layer's MLP backward (`layer_backward_elements`): the residual stream's gradient and the
     norm's (2 s*b*h, whole on every TP rank without SP) plus the down projection's input gradient (F),
     the SwiGLU input's gradient (2F) and the backward's gate temporary (F), less the product (F) the down
@@ -210,6 +211,20 @@ def activation_bytes(s: Shape, tokens: int, micro_batch: int, micro_batches: int
     if pp == 1:
         return stage(1, True, True)
     return max(stage(min(pp, micro_batches), True, False), stage(1, False, True))
+
+
+def response_rows_per_cp_rank(tokens: int, response: int, cp: int) -> int:
+    """The most response positions (those whose logits an RL loss reads) one CP rank holds: megatron's
+    load-balanced split cuts a sequence of `tokens` into 2 x CP chunks, rank r holding chunks r and 2CP-1-r
+    (aligner/models/cp_attention.py); the response is the sequence's last `response` tokens."""
+    if cp == 1:
+        return min(response, tokens)
+    chunk, start = -(-tokens // (2 * cp)), tokens - response  # padded to a multiple of 2 x CP
+
+    def overlap(k: int) -> int:
+        return max(0, min((k + 1) * chunk, tokens) - max(k * chunk, start))
+
+    return max(overlap(r) + overlap(2 * cp - 1 - r) for r in range(cp))
 
 
 def kv_cache_bytes(s: Shape, tokens: int, batch: int, tp: int, pp: int, dtype: str) -> float:

@@ -70,9 +70,13 @@ def test_context_parallelism_halves_the_rl_trainers_activations_as_for_sft():
     cp1, cp2 = (plan("grpo", [*grpo, f"model.context_parallel_size={cp}"]) for cp in (1, 2))
     assert cp2["fits"] and not cp2["errors"], cp2["errors"]  # no longer refused
     s = M.Shape(80, 8192, 64, 8, 128, 28672, 129024)
-    for cp, result, dp in ((1, cp1, 2), (2, cp2, 1)):
+    # the loss reads the logits of the 1024 response tokens, the sequence's last 1024: under CP 2 its 4 chunks of
+    # 512 are (0, 3) on rank 0 and (1, 2) on rank 1, so each rank holds 512 of them
+    assert [M.response_rows_per_cp_rank(2048, 1024, cp) for cp in (1, 2, 4)] == [1024, 512, 256]
+    assert M.response_rows_per_cp_rank(2048, 256, 2) == 256  # all in chunk 3, rank 0's
+    for cp, result, dp, rows in ((1, cp1, 2, 1024), (2, cp2, 1, 512)):
         # the whole 2048-token sequence split over the CP ranks; 64 / (1 x DP) micro-batches in flight
-        acts = M.activation_bytes(s, 2048, 1, 64 // dp, 8, 4, cp, True, "bfloat16", "te", logit_tokens=1024)
+        acts = M.activation_bytes(s, 2048, 1, 64 // dp, 8, 4, cp, True, "bfloat16", "te", logit_tokens=rows)
         assert result["components"]["actor"]["activations_gib"] == round(acts / GIB, 3)
     assert cp2["components"]["actor"]["activations_gib"] < 0.6 * cp1["components"]["actor"]["activations_gib"]
     # colocated generation: each CP rank is one more engine replica, so the step's 64 samples are split over
