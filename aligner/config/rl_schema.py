@@ -347,6 +347,9 @@ def validate_env(cfg) -> None:
     if e.max_total_tokens is not None and not prompt < e.max_total_tokens <= seq:
         raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} must exceed data.max_length={prompt} (the "
                           f"prompt) and fit model.seq_length={seq}")
+    if e.name is not None and cfg.algorithm.overlong.buffer:
+        raise ConfigError("algorithm.overlong.buffer penalises responses near sampling.max_new_tokens, which bounds one "
+                          "turn, not an episode's turns and observations: set algorithm.overlong.buffer=0 with env.name")
 
 
 def validate_placement(cfg) -> None:

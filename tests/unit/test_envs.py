@@ -70,6 +70,7 @@ GRPO = ["data.train_path=prompts.jsonl", "tokenizer.path=tok", "model.pretrained
     (["env.name=calculator", "env.timeout_s=0"], r"env.timeout_s must be > 0"),
     (["env.name=calculator", "env.max_total_tokens=100000"],
      r"env.max_total_tokens=100000 must .* fit model.seq_length"),
+    (["env.name=calculator", "algorithm.overlong.buffer=4"], r"algorithm.overlong.buffer=0 with env.name"),
     (["env.max_turnz=2"], r"max_turnz"),
 ])
 def test_env_settings_that_cannot_run_are_refused_in_one_line(overrides, fragment):
