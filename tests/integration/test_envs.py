@@ -184,7 +184,7 @@ def test_episode_samples_carry_the_mask_the_score_and_the_engines_log_probs(engi
     import torch
     from omegaconf import OmegaConf
 
-    from aligner.algorithms.online.multiturn import episode_samples, start_env_pool
+    from aligner.algorithms.online.multiturn import episode_samples, generate_episodes, start_env_pool
     from aligner.data.prompts import Prompt
     from aligner.generation import rng
 
@@ -198,8 +198,17 @@ def test_episode_samples_carry_the_mask_the_score_and_the_engines_log_probs(engi
     try:
         samples, metrics = episode_samples(engine, tokenizer, prompts_, [rng.derive_seed(9, k) for k in range(n)],
                                            params(tokenizer), cfg.env, pool, version=4, seq_length=256)
+        # the trainer's generate: 2 episodes of each of 3 prompts, group after group, episode k seeded (seed, 7 + k)
+        grouped, grouped_metrics = generate_episodes(engine, tokenizer, prompts_[:3], 2, 7, params(tokenizer),
+                                                     cfg.env, pool, version=1, seq_length=256)
+        alone, _ = episode_samples(engine, tokenizer, [prompts_[k // 2] for k in range(6)],
+                                   [rng.derive_seed(0, 7 + k) for k in range(6)], params(tokenizer), cfg.env, pool,
+                                   version=1, seq_length=256)
     finally:
         pool.close()
+    assert [(s.prompt, s.response_ids, s.token_mask, s.score) for s in grouped] == \
+        [(s.prompt, s.response_ids, s.token_mask, s.score) for s in alone]
+    assert grouped_metrics["episode/turns_mean"] == 3 and grouped_metrics["timing/env_s"] > 0
     assert metrics["episode/turns_mean"] == 3 and metrics["episode/tool_calls_mean"] == 2
     worst = 0.0
     for sample in samples:

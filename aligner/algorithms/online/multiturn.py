@@ -17,6 +17,7 @@ from megatron.core import parallel_state as ps
 from aligner.algorithms.online.samples import Sample
 from aligner.envs.episodes import run_episodes
 from aligner.envs.pool import EnvPool
+from aligner.generation import rng
 from aligner.generation.types import SamplingParams
 from aligner.runtime import collectives
 
@@ -61,3 +62,26 @@ def episode_samples(engine, tokenizer, prompts: list, seeds: list[int], params: 
         samples.append(Sample(prompt, e.response_ids, e.logprobs, e.is_end, score=e.score, version=version,
                               token_mask=e.response_mask))
     return samples, metrics
+
+
+def generate_episodes(engine, tokenizer, prompts: list, generations: int, first_id: int, params: SamplingParams,
+                      env_cfg, pool: EnvPool | None, version: int, seq_length: int) -> tuple[list[Sample], dict]:
+    """`RolloutTrainer.generate` for multi-turn runs: `generations` episodes of each prompt, group after group,
+    on every rank. Episodes are split over the engine's replicas as single-turn samples are (contiguous shares
+    of the prompts over the DP x CP ranks), episode k of the run seeded with `derive_seed(params.seed,
+    first_id + k)`, then gathered; the metrics are over the whole step (`timing/env_s`: the slowest replica)."""
+    n = generations
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+    share = -(-len(prompts) // dp)
+    mine = range(dp_rank * share * n, min(len(prompts), (dp_rank + 1) * share) * n)
+    samples, metrics = episode_samples(engine, tokenizer, [prompts[k // n] for k in mine],
+                                       [rng.derive_seed(params.seed, first_id + k) for k in mine], params, env_cfg,
+                                       pool, version, seq_length)
+    parts = collectives.all_gather_object((samples, metrics, len(samples)),
+                                          group=ps.get_data_parallel_group(with_context_parallel=True))
+    total = max(sum(count for _, _, count in parts), 1)
+    step_metrics = {key: sum(m[key] * count for _, m, count in parts) / total
+                    for key in metrics if key != "timing/env_s"}
+    step_metrics["timing/env_s"] = max(m["timing/env_s"] for _, m, _ in parts)
+    return [s for part, _, _ in parts for s in part], step_metrics
