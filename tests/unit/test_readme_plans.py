@@ -136,24 +136,32 @@ def test_a_lora_row_is_the_fewest_nodes_that_fit(label):
 
 
 # ---- separate rollout workers beside colocated generation (README.md's table) -----------------------------------
-# A row's label: the recipe's 70B PPO (8 actor + 4 service nodes, the 70B block's mean lengths) and its placement.
+# A row's label: the run and its placement. PPO: the recipe's 70B (8 actor + 4 service nodes); GRPO: its actor's
+# layout and lengths without the service (8 nodes, 128 prompts x 8), both at the 70B block's mean lengths.
 PPO_70B = ["examples/llama3_70b_ppo/ppo.overrides", "cluster.nodes=8", "cluster.service_nodes=4", *LENGTHS]
+GRPO_70B = ["model=llama3_70b", "model.seq_length=2048", "launcher.nproc_per_node=8", "optim.distributed_optimizer=true",
+            "trainer.micro_batch_size=1", "trainer.global_batch_size=128", "algorithm.prompts_per_step=128",
+            "algorithm.num_generations=8", "reference.mode=model", "data.max_length=1024",
+            "sampling.max_new_tokens=1024", "generation.batch_size=128", "cluster.nodes=8", *LENGTHS]
+WORKERS = ["generation.placement=separate", "generation.workers=4", "generation.tensor_model_parallel_size=8"]
 PLACEMENTS = {
-    "colocated (the recipe)": [],
-    "separate, 4 workers x TP 8, lag 0": ["generation.placement=separate", "generation.workers=4",
-                                          "generation.tensor_model_parallel_size=8", "algorithm.async.max_lag=0"],
-    "separate, 4 workers x TP 8, lag 1": ["generation.placement=separate", "generation.workers=4",
-                                          "generation.tensor_model_parallel_size=8", "algorithm.async.max_lag=1"],
+    "PPO, colocated (the recipe)": ("ppo", PPO_70B, []),
+    "PPO, separate, 4 workers x TP 8, lag 0": ("ppo", PPO_70B, [*WORKERS, "algorithm.async.max_lag=0"]),
+    "PPO, separate, 4 workers x TP 8, lag 1": ("ppo", PPO_70B, [*WORKERS, "algorithm.async.max_lag=1"]),
+    "GRPO, colocated": ("grpo", GRPO_70B, []),
+    "GRPO, separate, 4 workers x TP 8, lag 0": ("grpo", GRPO_70B, [*WORKERS, "algorithm.async.max_lag=0"]),
+    "GRPO, separate, 4 workers x TP 8, lag 1": ("grpo", GRPO_70B, [*WORKERS, "algorithm.async.max_lag=1"]),
 }
 OVERLAPPED = ("generate_s", "broadcast_s", "critic_infer_s", "critic_train_s", "step_s")  # not the trainer's own
 
 
 def placement_row(label: str) -> str:
-    """| placement | GPUs | generate | the trainer's phases | broadcast | step | (seconds), as the planner has them."""
+    """| run | GPUs | generate | the trainer's phases | broadcast | step | (seconds), as the planner has them."""
     from aligner.plan.cli import plan  # why: as _plan's
 
-    path, *more = PPO_70B
-    result = plan("ppo", [*shlex.split(overrides(path)), *more, *PLACEMENTS[label]])
+    algorithm, base, placement = PLACEMENTS[label]
+    run = [*shlex.split(overrides(base[0])), *base[1:]] if base[0].endswith(".overrides") else list(base)
+    result = plan(algorithm, [*run, *placement])
     assert result["fits"], (label, result["errors"])
     t = result["timing"]
     trainer = sum(v for k, v in t.items() if k not in OVERLAPPED)
