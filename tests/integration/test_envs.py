@@ -184,7 +184,7 @@ def test_episode_samples_carry_the_mask_the_score_and_the_engines_log_probs(engi
     import torch
     from omegaconf import OmegaConf
 
-    from aligner.algorithms.online.multiturn import episode_samples, generate_episodes, start_env_pool
+    from aligner.algorithms.online.multiturn import episode_samples, generate_episodes, scores_future, start_env_pool
     from aligner.data.prompts import Prompt
     from aligner.generation import rng
 
@@ -209,6 +209,7 @@ def test_episode_samples_carry_the_mask_the_score_and_the_engines_log_probs(engi
     assert [(s.prompt, s.response_ids, s.token_mask, s.score) for s in grouped] == \
         [(s.prompt, s.response_ids, s.token_mask, s.score) for s in alone]
     assert grouped_metrics["episode/turns_mean"] == 3 and grouped_metrics["timing/env_s"] > 0
+    assert scores_future(grouped).result() == [s.score for s in alone]
     assert metrics["episode/turns_mean"] == 3 and metrics["episode/tool_calls_mean"] == 2
     worst = 0.0
     for sample in samples:
