@@ -350,6 +350,12 @@ def validate_env(cfg) -> None:
     if e.name is not None and cfg.algorithm.overlong.buffer:
         raise ConfigError("algorithm.overlong.buffer penalises responses near sampling.max_new_tokens, which bounds one "
                           "turn, not an episode's turns and observations: set algorithm.overlong.buffer=0 with env.name")
+    if e.name is not None and cfg.algorithm.advantage == "gae":
+        raise ConfigError("env.name: multi-turn episodes train with group advantages (grpo, reinforce); PPO's critic "
+                          "does not value them yet")
+    if e.name is not None and cfg.generation.placement == "separate":
+        raise ConfigError("env.name: rollout workers (generation.placement=separate) do not run episodes yet; use "
+                          "generation.placement=colocated")
 
 
 def validate_placement(cfg) -> None:
