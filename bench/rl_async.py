@@ -1,14 +1,17 @@
 """Asynchronous RL's speed (issue 35, item 6): aligner's GRPO colocated and synchronous, with one separate
 rollout worker at lag 0 and at lag 1, and TRL's GRPOTrainer, in one run on this 2-core CPU.
 
-    python bench/rl_async.py [--tokens 16 64] [--steps 30] [--warmup 5] [--repeats 3] [--out runs/bench-rl-async]
+    python bench/rl_async.py [--tokens 16 64] [--prompts 8] [--steps 30] [--warmup 5] [--repeats 3]
+        [--only CASE ...] [--out runs/bench-rl-async] [--json FILE] [--from-json FILE]
 
 The configuration is bench/rl_vs_trl.py's (its helpers run every case here): the TRL peer baseline's tiny
 Llama (4 layers, hidden 128, 4 heads, ffn 512, vocab 512), 8 prompts x 4 samples = 32 per step, KL 0.04 (k3,
 in the loss), token-mean loss, one optimizer step per batch, AdamW lr 1e-5, fp32, the exact-answer reward
 in one reward worker, steps `--warmup`+1.. timed. Two shapes: the baseline's 16 new tokens, and 64 (`--tokens`),
-where generation and training take comparable time in the synchronous step (the random-init policy almost
-never samples eos, so responses run to the limit on both sides).
+where generation is a third of the synchronous step, against a quarter at 16 (the random-init policy almost
+never samples eos, so responses run to the limit on both sides). `--prompts 2` (8 samples a step, aligner's cases
+only: the baseline's TRL script has 8 prompts) is a shape where generation takes as long as the rest of the step.
+`--from-json` reports a results file again (results are written after every round).
 
 Cases, run in interleaved rounds (`--repeats`), each shape's cases one after another within a round:
   * colocated: `aligner train grpo`, 1 torch thread, pinned to core 0 (the synchronous loop);
@@ -123,22 +126,30 @@ def async_parts(run_dir: Path, warmup: int) -> dict:
            for p in ASYNC_PHASES if any(f"timing/{p}_s" in m for m in steps)}
     if "async/worker_0_busy_fraction" in steps[0]:
         out["worker_busy_fraction"] = statistics.median(m["async/worker_0_busy_fraction"] for m in steps)
-        out["worker_generate"] = statistics.median(m["async/worker_0_busy_fraction"] * m["timing/step_s"] for m in steps)
+        out["worker_generate"] = statistics.median(m["async/worker_0_busy_fraction"] * m["timing/step_s"]
+                                                   for m in steps)
         out["lag"] = statistics.median(m["async/lag"] for m in steps)
     return out
 
 
 def run_case(name: str, tokens: int, paths: dict, out: Path, args, attempt: int) -> dict:
     extra, threads, pinned = CASES[name]
+    prompts = getattr(args, "prompts", rl_vs_trl.RUN["prompts_per_step"])
     if extra is None:
+        if prompts != rl_vs_trl.RUN["prompts_per_step"]:
+            sys.exit("--prompts other than the baseline's 8 runs aligner's cases only (--only colocated ...)")
         return rl_vs_trl.run_trl(name, paths, out, args.steps, args.warmup, threads, attempt,
                                  max_new_tokens=None if tokens == rl_vs_trl.RUN["max_new_tokens"] else tokens)
     pinner = Pinner() if pinned else None
     if pinner:
         pinner.start()
     try:
-        r = rl_vs_trl.run_aligner(name, "grpo", [*extra, f"sampling.max_new_tokens={tokens}"], paths, out, args.steps,
-                                  args.warmup, threads, attempt)
+        n = prompts * rl_vs_trl.RUN["num_generations"]
+        batch = [f"algorithm.prompts_per_step={prompts}", f"trainer.global_batch_size={n}",
+                 f"trainer.micro_batch_size={n}"]
+        r = rl_vs_trl.run_aligner(name, "grpo", [*extra, f"sampling.max_new_tokens={tokens}", *batch], paths, out,
+                                  args.steps, args.warmup, threads, attempt)
+        r["generated_tokens_per_step"] *= prompts / rl_vs_trl.RUN["prompts_per_step"]  # run_aligner counts 8 prompts
     finally:
         pins = pinner.stop() if pinner else None
     if pinner and (not pins["worker_pids"]) != (name.startswith("colocated")):
@@ -160,6 +171,7 @@ def summarize(runs: dict) -> dict:
             phases = sorted({p for r in attempts for p in r["phases"]})
             s[name] = {"step_s": statistics.median(r["step_s"] for r in attempts),
                        "steps_s_per_round": [r["step_s"] for r in attempts],
+                       "min_step_s": min(r["min_step_s"] for r in attempts),
                        "phases": {p: statistics.median(r["phases"][p] for r in attempts if p in r["phases"])
                                   for p in phases},
                        "generated_tokens_per_step": statistics.median(r["generated_tokens_per_step"] for r in attempts),
@@ -174,6 +186,10 @@ def summarize(runs: dict) -> dict:
                 ratios[f"{name}/colocated"] = paired(name, "colocated")
             if name != "trl_grpo" and "trl_grpo" in by_case:
                 ratios[f"trl_grpo/{name}"] = paired("trl_grpo", name)
+        fastest = {}  # the same ratios of each case's fastest step over all rounds: the least loaded moments
+        for key in ratios:
+            a, b = key.split("/")
+            fastest[key] = s[a]["min_step_s"] / s[b]["min_step_s"]
         bound = []  # a perfect pipeline from the colocated step's parts, with k=1's own broadcast
         if "colocated" in by_case and "separate_k1" in by_case:
             for c, k1 in zip(by_case["colocated"], by_case["separate_k1"]):
@@ -182,8 +198,8 @@ def summarize(runs: dict) -> dict:
                 bound.append({"step_s": step, "over_colocated": step / c["step_s"],
                               "trl_over": (by_case["trl_grpo"][len(bound)]["step_s"] / step
                                            if "trl_grpo" in by_case else None)})
-        out[tokens] = {"cases": s, "ratios": {k: {"median": statistics.median(v), "per_round": v}
-                                              for k, v in ratios.items()},
+        out[tokens] = {"cases": s, "ratios": {k: {"median": statistics.median(v), "per_round": v,
+                                                  "fastest_steps": fastest[k]} for k, v in ratios.items()},
                        "overlap_bound": {"per_round": bound,
                                          "over_colocated": statistics.median(b["over_colocated"] for b in bound)
                                          if bound else None}}
@@ -191,22 +207,25 @@ def summarize(runs: dict) -> dict:
 
 
 def report(summary: dict, args) -> None:
-    print(f"\nCPU (2 cores), fp32, 8 prompts x 4 samples, steps {args.warmup + 1}..{args.steps}, {args.repeats} "
-          "round(s): wall s/step, medians over rounds; ratios pair the runs of a round: median (each round)")
+    print(f"\nCPU (2 cores), fp32, {getattr(args, 'prompts', 8)} prompts x 4 samples, steps {args.warmup + 1}.."
+          f"{args.steps}, {args.repeats} round(s): wall s/step, medians over rounds; ratios pair the runs of a round: "
+          "median (each round)")
     parts = ("generate", "worker_generate", "generation_wait", "broadcast", "logprobs", "reference", "train",
              "score_wait", "other")
     for tokens, s in summary.items():
         print(f"\n{tokens} new tokens\n")
-        print(f"| case | s/step | {' | '.join(parts)} | worker busy | other cores (max) |")
-        print("|---|---|" + "---|" * (len(parts) + 2))
+        print(f"| case | s/step | fastest step | {' | '.join(parts)} | worker busy | other cores (max) |")
+        print("|---|---|---|" + "---|" * (len(parts) + 2))
         for name, c in s["cases"].items():
             cells = [f"{c['phases'][p]:.4f}" if p in c["phases"] else "" for p in parts]
             busy = c["phases"].get("worker_busy_fraction")
-            print(f"| {name} | {c['step_s']:.4f} | {' | '.join(cells)} | {'' if busy is None else f'{busy:.2f}'} | "
+            busy = "" if busy is None else f"{busy:.2f}"
+            print(f"| {name} | {c['step_s']:.4f} | {c['min_step_s']:.4f} | {' | '.join(cells)} | {busy} | "
                   f"{c['other_cores_max']:.2f} |")
         print()
         for key, r in s["ratios"].items():
-            print(f"  {key}: {r['median']:.2f}x ({' / '.join(f'{x:.2f}' for x in r['per_round'])})")
+            print(f"  {key}: {r['median']:.2f}x ({' / '.join(f'{x:.2f}' for x in r['per_round'])}); "
+                  f"fastest steps: {r['fastest_steps']:.2f}x")
         b = s["overlap_bound"]
         if b["per_round"]:
             steps = " / ".join(f"{x['step_s']:.4f}" for x in b["per_round"])
@@ -225,13 +244,23 @@ def report(summary: dict, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64], help="new tokens per response")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (x 4 samples); TRL runs only at 8")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="leading steps left out of the timing")
     parser.add_argument("--repeats", type=int, default=3, help="rounds: every case of every shape once each")
     parser.add_argument("--only", nargs="*", choices=list(CASES), help="case names (default: all)")
     parser.add_argument("--out", default="runs/bench-rl-async")
     parser.add_argument("--json", help="also write the results here (e.g. bench/results/rl-async-cpu.json)")
+    parser.add_argument("--from-json", help="summarize and report a results file again; runs nothing")
     args = parser.parse_args()
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        for key in ("steps", "warmup", "repeats"):
+            setattr(args, key, result["args"][key])
+        result["summary"] = summarize(result["results"])
+        report(result["summary"], args)
+        Path(args.from_json).write_text(json.dumps(result, indent=1, default=str))
+        return
     if args.steps <= args.warmup:
         sys.exit(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}")
     if len(os.sched_getaffinity(0)) < 2:
@@ -258,15 +287,15 @@ def main() -> None:
         loads.append({"round": attempt, "before": before, "after": load()})
         print(f"[bench] round {attempt}: load before: {before}; after: {loads[-1]['after']}", file=sys.stderr,
               flush=True)
-    summary = summarize(runs)
-    report(summary, args)
-    result = {"args": vars(args), "run": rl_vs_trl.RUN, "cases": {k: [v[0], v[1], v[2]] for k, v in CASES.items()},
-              "host": {"cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-                       "commit": subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO,
-                                                capture_output=True, text=True).stdout.strip()},
-              "load": loads, "summary": summary, "results": runs}
-    for path in filter(None, [out / "results.json", args.json and Path(args.json)]):
-        path.write_text(json.dumps(result, indent=1, default=str))
+        result = {"args": {**vars(args), "rounds_done": attempt + 1}, "run": rl_vs_trl.RUN,
+                  "cases": {k: [v[0], v[1], v[2]] for k, v in CASES.items()},
+                  "host": {"cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+                           "commit": subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO,
+                                                    capture_output=True, text=True).stdout.strip()},
+                  "load": loads, "summary": summarize(runs), "results": runs}
+        for path in filter(None, [out / "results.json", args.json and Path(args.json)]):  # after every round
+            path.write_text(json.dumps(result, indent=1, default=str))
+    report(result["summary"], args)
     print(f"\nall numbers: {out / 'results.json'}")
 
 
