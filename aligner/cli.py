@@ -133,8 +133,6 @@ def _check_rl_inputs(cfg) -> None:
         except ValueError as e:
             raise UsageError(str(e), "env.name", "name a builtin (calculator, python) or an importable "
                              "package.module:Class with reset and step") from None
-        raise UsageError("multi-turn episodes (aligner/envs) are not wired into the RL step yet", "env.name",
-                         "leave env.name unset (single-turn rollouts)")
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     for path in (cfg.data.train_path, cfg.data.val_path):
         if path:

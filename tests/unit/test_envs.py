@@ -101,7 +101,6 @@ def test_env_defaults_are_single_turn():
 
 @pytest.mark.parametrize("name, fragment", [
     ("abacus", "unknown environment 'abacus'"), (f"{F}:NoStep", "a class without step"),
-    (f"{F}:Slow", "not wired into the RL step yet"),
 ])
 def test_the_cli_resolves_env_name_before_launch(name, fragment):
     from aligner.cli import _check_rl_inputs

@@ -23,6 +23,11 @@ def run(cfg) -> None:
     packed = packing_enabled(cfg)
     distributed.start_training_rank(cfg)
     with contextlib.closing(build_online_run(cfg, packed, reference=cfg.algorithm.kl.mode != "none")) as online:
-        RLTrainer(*online.trainer_args(cfg), online.scorer, online.reference, packing=online.packing,
-                  val_scorer=online.val_scorer, workers=online.workers).fit()
+        trainer = RLTrainer(*online.trainer_args(cfg), online.scorer, online.reference, packing=online.packing,
+                            val_scorer=online.val_scorer, workers=online.workers)
+        try:
+            trainer.fit()
+        finally:
+            if trainer.env_pool is not None:
+                trainer.env_pool.close()
     distributed.shutdown()

@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 from megatron.core import parallel_state as ps
 
+from aligner.algorithms.online import multiturn
 from aligner.algorithms.online import samples as samples_lib
 from aligner.algorithms.online.loss import rl_micro_batches
 from aligner.algorithms.online.samples import Sample
@@ -60,6 +61,9 @@ class RolloutTrainer(Trainer):
         self.loss_step = None
         self.first_sample_id = 0  # seed index of the first sample of the prompts just drawn
         self.drawn_indices: list[int] = []  # their indices in the prompt set
+        self.multiturn = cfg.get("env") is not None and cfg.env.name is not None  # episodes with an environment
+        self.env_pool = multiturn.start_env_pool(cfg) if self.multiturn else None
+        self.episode_metrics: dict = {}  # the last multi-turn generate's episode/* metrics
         separate = cfg.generation.get("placement", "colocated") == "separate"
         self.separate = SeparateRollouts(self, workers, algorithm["async"].max_lag) if separate else None
 
@@ -71,6 +75,7 @@ class RolloutTrainer(Trainer):
         written. The last thing every online step does."""
         timings["step"] = time.perf_counter() - start
         metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
+        metrics.update(self.episode_metrics)
         generated = sum(len(s.response_ids) for s in samples)
         seconds = timings["generate"] if self.separate is None else self.separate.worker_seconds
         metrics["throughput/generated_tokens_per_s"] = generated / max(seconds, 1e-9)
@@ -123,6 +128,11 @@ class RolloutTrainer(Trainer):
         params = params or self.params
         n = self.a.num_generations if generations is None else generations
         first_id = self.first_sample_id if first_id is None else first_id
+        if self.multiturn:
+            samples, self.episode_metrics = multiturn.generate_episodes(
+                self.engine, self.tokenizer, prompts, n, first_id, params, self.cfg.env, self.env_pool, self.step,
+                self.cfg.model.seq_length)
+            return samples
         dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         share = -(-len(prompts) // dp)
@@ -139,6 +149,8 @@ class RolloutTrainer(Trainer):
         """The reward functions' future on global rank 0 (None elsewhere), stamped with its duration."""
         if self.scorer is None:
             return None
+        if self.multiturn:  # the environments scored the episodes
+            return multiturn.scores_future(samples)
         prompts = [s.prompt for s in samples]
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         started = time.perf_counter()
