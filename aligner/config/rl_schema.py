@@ -9,7 +9,8 @@ from typing import ClassVar, Optional
 
 from omegaconf import MISSING
 
-from aligner.config.generation_schema import GenerationBackendConfig, validate_generation_backend
+from aligner.config.generation_schema import (AsyncConfig, GenerationBackendConfig, Placement,
+                                              validate_generation_backend, validate_placement)
 from aligner.config.schema import (CriticTrainConfig, LauncherConfig, LoraConfig, OptimConfig, ReferenceConfig,
                                    ServeParallelConfig, TrainRunConfig, validate_lora)
 from aligner.errors import ConfigError
@@ -147,11 +148,6 @@ class RLSamplingConfig:
     stop_strings: list[str] = field(default_factory=list)
 
 
-class Placement(StrEnum):
-    colocated = "colocated"  # the trainer's ranks generate, on the live weights, between updates
-    separate = "separate"  # rollout workers of their own, sent the new weights after every step
-
-
 @dataclass
 class RLGenerationConfig(GenerationBackendConfig):
     decode: DecodeMode = DecodeMode.auto  # the megatron engine's decode path
@@ -160,13 +156,6 @@ class RLGenerationConfig(GenerationBackendConfig):
     placement: Placement = Placement.colocated
     workers: int = 1  # separate placement: rollout workers, each with its own copy of the policy and engine
     tensor_model_parallel_size: int = 1  # separate placement: each worker's tensor parallelism
-
-
-@dataclass
-class AsyncConfig:
-    """Separate placement: the rollouts trained at step t come from the weights after step max(0, t-1-max_lag)."""
-
-    max_lag: int = 0
 
 
 @dataclass
@@ -356,27 +345,6 @@ def validate_env(cfg) -> None:
     if e.name is not None and cfg.generation.placement == "separate":
         raise ConfigError("env.name: rollout workers (generation.placement=separate) do not run episodes yet; use "
                           "generation.placement=colocated")
-
-
-def validate_placement(cfg) -> None:
-    """generation.placement and algorithm.async: who generates, and with which weights."""
-    g, m, lag = cfg.generation, cfg.model, cfg.algorithm["async"].max_lag
-    if lag < 0:
-        raise ConfigError(f"algorithm.async.max_lag must be >= 0 (the steps a rollout's weights may lag), got {lag}")
-    if g.placement == "colocated":
-        if lag:
-            raise ConfigError(f"algorithm.async.max_lag={lag} needs rollout workers of their own: set "
-                              f"generation.placement=separate (colocated generation always uses the live weights)")
-        return
-    if g.workers < 1:
-        raise ConfigError(f"generation.placement=separate needs generation.workers >= 1 rollout workers, got {g.workers}")
-    tp, groups = g.tensor_model_parallel_size, m.num_query_groups or m.num_attention_heads
-    if tp < 1 or m.num_attention_heads % tp or groups % tp:
-        raise ConfigError(f"generation.tensor_model_parallel_size={tp} must divide the model's attention heads "
-                          f"({m.num_attention_heads}) and query groups ({groups})")
-    if g.check_refit:
-        raise ConfigError("generation.check_refit compares an in-process engine's weights with the trainer's; separate "
-                          "rollout workers hold their own copy: set generation.check_refit=false")
 
 
 def _validate_critic(cfg) -> None:
