@@ -61,7 +61,8 @@ def watch_trainer(pid: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    watch_trainer(int(os.environ["ALIGNER_TRAINER_PID"]))
+    if "ALIGNER_TRAINER_PID" in os.environ:  # under Slurm the trainer is on another node: srun ends the workers
+        watch_trainer(int(os.environ["ALIGNER_TRAINER_PID"]))
     cfg = load_resolved(argv[0], argv[1])
     g = cfg.generation
     distributed.init_process_group()

@@ -42,11 +42,14 @@ class RolloutWorkers:
         self.count, self.tp = int(g.workers), int(g.tensor_model_parallel_size)
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        address = f"127.0.0.1:{free_port()}"
+        # under Slurm (slurm/rl_async.sbatch) srun started the workers and the bridge's address is set for all
+        # sides: rank 0 only joins the bridge, and a lost worker is named from its bridge rank
+        self.external = os.environ.get("ALIGNER_BRIDGE")
+        address = self.external or f"127.0.0.1:{free_port()}"
         self.device, gpus = bridge_device(cfg)
         first_gpu = cfg.launcher.nproc_per_node  # the trainer's ranks hold the node's first GPUs
         self.procs, self.logs = [], []
-        for worker in range(self.count):
+        for worker in range(0 if self.external else self.count):
             port = free_port()
             for rank in range(self.tp):
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.tp), LOCAL_RANK=str(rank),
@@ -92,8 +95,15 @@ class RolloutWorkers:
                 raise RolloutWorkerLost(f"rollout worker {worker} (TP rank {rank}) exited with code {proc.returncode}",
                                         f"log: {self.log_path(worker, rank)}")
 
-    def _lost(self, error: BaseException) -> BaseException:
-        """The worker behind a failed bridge call, once its process has ended (a second at most)."""
+    def _lost(self, error: BaseException, rank: int | None = None) -> BaseException:
+        """The worker behind a failed bridge call, once its process has ended (a second at most); under Slurm
+        there is no process here to poll: the bridge rank that failed names it."""
+        if self.external:
+            if rank is None:
+                return error
+            worker, tp_rank = divmod(rank - 1, self.tp)
+            return RolloutWorkerLost(f"rollout worker {worker} (TP rank {tp_rank}, bridge rank {rank}) lost its "
+                                     "connection", "log: the job's output (srun --het-group=1)")
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             try:
@@ -103,11 +113,11 @@ class RolloutWorkers:
             time.sleep(0.05)
         return error
 
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, rank: int | None = None):
         try:
             return fn(*args)
         except RuntimeError as e:  # gloo: the connection to a peer broke
-            raise self._lost(e) from None
+            raise self._lost(e, rank) from None
 
     def _leaders(self) -> range:
         """Bridge ranks of each worker's TP rank 0 (the one that answers)."""
@@ -116,7 +126,7 @@ class RolloutWorkers:
     # ---- messages ----------------------------------------------------------------------------------------
     def _tell_all(self, message: dict) -> None:
         for rank in range(1, 1 + self.count * self.tp):
-            self._call(self.bridge.send_object, message, rank)
+            self._call(self.bridge.send_object, message, rank, rank=rank)
 
     def send_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
         entries = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket.items()]
@@ -140,13 +150,14 @@ class RolloutWorkers:
             message = {"kind": "generate", "step": step, "version": version, "prompts": prompts[part],
                        "seeds": seeds[part], "params": params}
             for rank in range(self.tp):
-                self._call(self.bridge.send_object, message, 1 + worker * self.tp + rank)
+                bridge_rank = 1 + worker * self.tp + rank
+                self._call(self.bridge.send_object, message, bridge_rank, rank=bridge_rank)
 
     def results(self, step: int) -> dict:
         """Rank 0: step `step`'s rollouts, the workers' shares joined: {responses, logprobs, is_end, version}."""
         joined = {"responses": [], "logprobs": [], "is_end": [], "busy_s": 0.0}
         for worker, rank in enumerate(self._leaders()):
-            answer = self._call(self.bridge.recv_object, rank)
+            answer = self._call(self.bridge.recv_object, rank, rank=rank)
             if answer["step"] != step:
                 raise RuntimeError(f"rollout worker {worker} answered step {answer['step']}, expected {step}")
             for key in joined:
