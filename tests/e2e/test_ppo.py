@@ -6,7 +6,6 @@ a TP=2 or CP=2 actor's first step equals one process's, and a wrong service layo
 starts. The Service's retries are checked without a service."""
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import subprocess
@@ -46,20 +45,6 @@ def ppo(assets, root, run_dir, *extra):
     return read_metrics(run_dir)
 
 
-def started_ppo(assets, root, run_dir, *extra):
-    """`ppo` started now and waited for at the first call of what this returns (then its metrics, kept): one-rank
-    runs keep one core busy (the actor and its service take turns), so a test runs two of them side by side."""
-    process = start_cli(*ppo_args(assets, root, run_dir, *extra))
-
-    @functools.cache
-    def metrics() -> list[dict]:
-        _, stderr = process.communicate(timeout=600)
-        assert process.returncode == 0, stderr[-4000:]
-        return read_metrics(run_dir)
-
-    return metrics
-
-
 def test_ppo_learns_a_rewarded_string(tiny_assets, rl_assets, tmp_path):
     """+1 for a response containing "7" (a reward function; the critic starts from the SFT model with a
     fresh value head, and lam=1 gives Monte-Carlo returns while it learns): PPO makes nearly every
@@ -96,11 +81,8 @@ def _service_processes(run_dir) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def straight(tiny_assets, rl_assets, tmp_path_factory):
-    """Six PPO steps, uninterrupted, checkpoints every two: the reference of the fault test, the TP=2 test and the
-    hetjob. A call waits for it: the fault test's own run goes beside it."""
-    metrics = started_ppo(tiny_assets, rl_assets, tmp_path_factory.mktemp("ppo_straight"), *SIX_STEPS)
-    yield metrics
-    metrics()  # ended before the module's other processes are looked for, also when no test read it
+    """Six PPO steps, uninterrupted, checkpoints every two: the reference of the fault test."""
+    return ppo(tiny_assets, rl_assets, tmp_path_factory.mktemp("ppo_straight"), *SIX_STEPS)
 
 
 def _signal_service(run_dir, sig) -> None:
@@ -139,7 +121,7 @@ def test_a_stalled_service_changes_nothing_a_killed_one_stops_the_run_and_the_re
     assert "Traceback" not in stderr
     resumed = ppo(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=30")
     assert [m["step"] for m in resumed] == list(range(1, 7))  # the killed run's lines, then the re-run's
-    for ours, ref in zip(resumed, straight()):
+    for ours, ref in zip(resumed, straight):
         for key in KEYS + ("kl/coef", "fraction/unscored"):
             assert ours[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), (ours["step"], key)
     assert all(m["fraction/unscored"] == 0.0 for m in resumed)  # no sample was lost to the stall
@@ -202,7 +184,7 @@ def test_a_failed_request_is_asked_again_until_the_deadline_then_masked_or_the_s
 
 
 def test_the_kl_coefficient_adapts(straight):
-    coefs = [m["kl/coef"] for m in straight()]
+    coefs = [m["kl/coef"] for m in straight]
     assert coefs[0] == 0.02 and len(set(coefs)) > 1  # it moved, from the configured start
 
 
@@ -253,7 +235,7 @@ def test_first_step_with_a_tp2_actor_a_tp2_service_and_engine_log_probs_matches_
                   "trainer.save_interval=0", "algorithm.old_logprobs=engine",
                   "launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2",
                   "critic.launcher.nproc_per_node=2", "critic.parallel.tensor_model_parallel_size=2")
-    first, ref = metrics[-1], straight()[0]
+    first, ref = metrics[-1], straight[0]
     assert first["step"] == ref["step"] == 1
     for key in ("reward/mean", "response_length/mean", "fraction/ended"):
         assert first[key] == ref[key], key  # the same samples: seeds per sample, not per rank
@@ -266,14 +248,12 @@ def test_first_step_with_a_tp2_actor_a_tp2_service_and_engine_log_probs_matches_
 def test_first_step_with_a_cp2_actor_or_a_rollout_worker_matches_one_process(tiny_assets, rl_assets, tmp_path):
     """A CP=2 actor (its CP ranks generate as two replicas, its passes split each sequence over them) and a
     one-rank service: the first step equals a one-process actor's, two optimizer steps of it (old log-probs,
-    a KL, clipping). A separate rollout worker at lag 0 (generation.placement=separate) gives it bitwise. The
-    one-process and separate-worker runs go side by side, then the CP=2 run (two ranks) alone."""
-    first = ("trainer.max_steps=1", "trainer.global_batch_size=8")
-    one, separate = [started_ppo(tiny_assets, rl_assets, tmp_path / name, *first, *layout)
-                     for name, layout in (("one", []), ("separate", ["generation.placement=separate"]))]
-    one, separate = one()[-1], separate()[-1]
-    cp = ppo(tiny_assets, rl_assets, tmp_path / "cp2", *first, "launcher.nproc_per_node=2",
-             "model.context_parallel_size=2")[-1]
+    a KL, clipping). A separate rollout worker at lag 0 (generation.placement=separate) gives it bitwise."""
+    one, cp, separate = (ppo(tiny_assets, rl_assets, tmp_path / name, "trainer.max_steps=1",
+                             "trainer.global_batch_size=8", *layout)[-1]
+                         for name, layout in (("one", []),
+                                              ("cp2", ["launcher.nproc_per_node=2", "model.context_parallel_size=2"]),
+                                              ("separate", ["generation.placement=separate"])))
     assert separate["async/lag"] == 0.0
     for key in KEYS + ("policy/clip_fraction", "entropy/mean"):
         assert separate[key] == one[key], key
@@ -332,7 +312,7 @@ def test_the_hetjob_stops_on_usr1_requeues_and_both_sides_resume_exactly(tiny_as
     assert f"step_{stop_step:06d}" in steps(run_dir / "checkpoints") == steps(run_dir / "critic/checkpoints")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 7))  # every step once, none lost
-    for ours, ref in zip(metrics, straight()):
+    for ours, ref in zip(metrics, straight):
         for key in KEYS + ("kl/coef",):
             assert ours[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), (ours["step"], key)
 
