@@ -22,7 +22,7 @@ import time
 
 import torch
 from megatron.core import parallel_state as ps
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from aligner.config import load_resolved
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
@@ -36,14 +36,9 @@ from aligner.runtime.collectives import Bridge
 def worker_model_config(model_cfg, tensor_parallel: int):
     """The trainer's model config as a worker holds it: its own TP, no PP/CP/sequence parallelism, and no
     adapters (the trainer streams merged weights)."""
-    cfg = OmegaConf.create(OmegaConf.to_container(model_cfg, resolve=True))
-    with open_dict(cfg):
-        cfg.tensor_model_parallel_size = tensor_parallel
-        cfg.pipeline_model_parallel_size = 1
-        cfg.context_parallel_size = 1
-        cfg.sequence_parallel = False
-        cfg.lora.rank = 0
-    return cfg
+    return OmegaConf.merge(model_cfg, {"tensor_model_parallel_size": tensor_parallel,
+                                       "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                                       "sequence_parallel": False, "lora": {"rank": 0}})
 
 
 def watch_trainer(pid: int) -> None:

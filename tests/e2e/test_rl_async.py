@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
+
+import psutil
 
 import pytest
 
-from tests.conftest import REWARDS, read_metrics, run_cli, sigusr1_stop_step, start_cli
+from tests.conftest import REWARDS, read_metrics, run_cli, sigusr1_stop_step, start_cli, wait_for_step
 from tests.e2e.test_rl_loop import grpo, grpo_args
 
 # a reward that differs within every group (the response's length), so that every step changes the weights
@@ -65,11 +66,7 @@ def test_lagged_rollouts_follow_the_schedule(lag1):
 
 def kill_when_logged(process, run_dir, rows: int, victim=None) -> None:
     """SIGKILL `victim()`'s pid (default: the CLI process) once `rows` metrics rows are logged."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= rows:
-            break
-        time.sleep(0.05)
+    wait_for_step(run_dir, rows, alive=lambda: process.poll() is None)
     os.kill(victim() if victim else process.pid, signal.SIGKILL)
 
 
@@ -91,16 +88,9 @@ def test_a_lagged_run_resumes_to_the_uninterrupted_metrics(tiny_assets, rl_asset
 
 
 def worker_pids(run_dir) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
-            except OSError:
-                continue
-            if "rollout_worker:main" in cmdline and str(run_dir) in cmdline:
-                pids.append(int(entry))
-    return pids
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if any("rollout_worker:main" in a for a in p.info["cmdline"] or [])
+            and any(str(run_dir) in a for a in p.info["cmdline"] or [])]
 
 
 def worker_pid(run_dir) -> int:
@@ -114,9 +104,7 @@ def test_sigusr1_stops_trainer_and_workers_at_a_checkpoint(tiny_assets, rl_asset
     args = grpo_args(tiny_assets, rl_assets, run_dir, *STEPS, *SEPARATE, "algorithm.async.max_lag=1",
                      "algorithm.importance_sampling.level=token")
     process = start_cli(*args)
-    deadline = time.monotonic() + 300
-    while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_step(run_dir, 1, alive=lambda: process.poll() is None)
     process.send_signal(signal.SIGUSR1)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 75, stderr[-3000:]
