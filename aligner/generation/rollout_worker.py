@@ -5,8 +5,10 @@
     python -m aligner.launch.worker aligner.generation.rollout_worker:main CONFIG.yaml COMMAND
 
 The worker's ranks are a torch.distributed world of their own (RANK/WORLD_SIZE/MASTER_PORT, one per TP
-rank); ALIGNER_BRIDGE (host:port), ALIGNER_BRIDGE_RANK, ALIGNER_BRIDGE_SIZE and ALIGNER_BRIDGE_DEVICE (cuda: NCCL,
-cpu: gloo; generation/workers.py `bridge_device`) place it on the bridge.
+rank); ALIGNER_BRIDGE (host:port), ALIGNER_BRIDGE_RANK and ALIGNER_BRIDGE_SIZE place it on the bridge, whose
+device (NCCL or gloo) the trainer chooses (generation/workers.py `bridge_device`). Under srun
+(slurm/rl_async.sbatch) RANK, the rendezvous and ALIGNER_BRIDGE_RANK come from the task's id, ALIGNER_WORKER_HOSTS
+and ALIGNER_WORKER_PORT (`slurm_worker_env`).
 It serves the trainer's messages in order, until told to stop:
   weights   {version}, then per bucket {entries: [(HF name, shape, dtype), ...]} and one bridge broadcast
             (the bucket's tensors flattened into one), then {entries: None}: loaded into this rank's TP shard
@@ -41,6 +43,17 @@ def worker_model_config(model_cfg, tensor_parallel: int):
                                        "sequence_parallel": False, "lora": {"rank": 0}})
 
 
+def slurm_worker_env(env, tensor_parallel: int) -> dict[str, str]:
+    """An srun task's place: task t is TP rank t % TP of worker t // TP, on the bridge as rank 1 + t; its
+    worker's rendezvous is on that worker's first host (ALIGNER_WORKER_HOSTS, one per worker) at
+    ALIGNER_WORKER_PORT + worker (several workers may share a node)."""
+    task = int(env["SLURM_PROCID"])
+    worker, rank = divmod(task, tensor_parallel)
+    return {"RANK": str(rank), "WORLD_SIZE": str(tensor_parallel), "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+            "MASTER_ADDR": env["ALIGNER_WORKER_HOSTS"].split(",")[worker],
+            "MASTER_PORT": str(int(env["ALIGNER_WORKER_PORT"]) + worker), "ALIGNER_BRIDGE_RANK": str(1 + task)}
+
+
 def watch_trainer(pid: int) -> None:
     """End this process when the trainer's rank 0 is gone (killed, it could not say stop): a worker waiting
     for it on the bridge would otherwise wait out the bridge's timeout."""
@@ -60,6 +73,8 @@ def main(argv: list[str]) -> None:
         watch_trainer(int(os.environ["ALIGNER_TRAINER_PID"]))
     cfg = load_resolved(argv[0], argv[1])
     g = cfg.generation
+    if "ALIGNER_WORKER_HOSTS" in os.environ:
+        os.environ.update(slurm_worker_env(os.environ, g.tensor_model_parallel_size))
     distributed.init_process_group()
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.launcher.threads_per_rank)
@@ -73,11 +88,12 @@ def main(argv: list[str]) -> None:
     engine = build_engine(str(g.backend), model, model_cfg, vocab_size, tokenizer, batch_size=g.batch_size,
                           decode=g.decode, tokenizer_dir=cfg.tokenizer.path)
     bridge = Bridge(os.environ["ALIGNER_BRIDGE"], int(os.environ["ALIGNER_BRIDGE_RANK"]),
-                    int(os.environ["ALIGNER_BRIDGE_SIZE"]), os.environ["ALIGNER_BRIDGE_DEVICE"])
+                    int(os.environ["ALIGNER_BRIDGE_SIZE"]))
     try:
+        # no flush after `stop`: an answer the trainer will not read (a stopped run's orders ahead) never
+        # completes, and the trainer may be gone already (under Slurm nothing waits for this process)
         serve(bridge, model, model_cfg, vocab_size, engine, answers=ps.get_tensor_model_parallel_rank() == 0)
     finally:
-        bridge.flush()
         distributed.shutdown()
 
 

@@ -47,6 +47,8 @@ class RolloutWorkers:
         self.external = os.environ.get("ALIGNER_BRIDGE")
         address = self.external or f"127.0.0.1:{free_port()}"
         self.device, gpus = bridge_device(cfg)
+        if self.external:  # NCCL when the job's plan found GPUs on both components and the trainer runs on NCCL
+            self.device = "cuda" if os.environ.get("ALIGNER_BRIDGE_DEVICE") == "cuda" and _nccl() else "cpu"
         first_gpu = cfg.launcher.nproc_per_node  # the trainer's ranks hold the node's first GPUs
         self.procs, self.logs = [], []
         for worker in range(0 if self.external else self.count):
@@ -59,7 +61,6 @@ class RolloutWorkers:
                            ALIGNER_ERROR_FILE=str(self.log_path(worker, rank).with_suffix(".error")),
                            OMP_NUM_THREADS=str(cfg.launcher.threads_per_rank))
                 env.pop("SLURM_PROCID", None)
-                env["ALIGNER_BRIDGE_DEVICE"] = self.device
                 if gpus:  # its own GPU after the trainer's; fewer GPUs than processes: shared in turn
                     env["CUDA_VISIBLE_DEVICES"] = str((first_gpu + worker * self.tp + rank) % gpus)
                 log = open(self.log_path(worker, rank), "w")
@@ -70,6 +71,8 @@ class RolloutWorkers:
         self.busy: dict[int, float] = {}  # worker -> its busy fraction over its last order
 
     def log_path(self, worker: int, rank: int = 0) -> Path:
+        if self.external:  # srun --output's %t: the task's id in component 1
+            return self.log_dir / f"rollout_worker_task_{worker * self.tp + rank}.log"
         return self.log_dir / (f"rollout_worker_{worker}.log" if rank == 0 else f"rollout_worker_{worker}_rank_{rank}.log")
 
     def join(self) -> None:
@@ -103,7 +106,7 @@ class RolloutWorkers:
                 return error
             worker, tp_rank = divmod(rank - 1, self.tp)
             return RolloutWorkerLost(f"rollout worker {worker} (TP rank {tp_rank}, bridge rank {rank}) lost its "
-                                     "connection", "log: the job's output (srun --het-group=1)")
+                                     "connection", f"log: {self.log_path(worker, tp_rank)}")
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             try:
@@ -199,5 +202,8 @@ def bridge_device(cfg) -> tuple[str, int]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     g = cfg.generation
     own = gpus >= cfg.launcher.nproc_per_node + g.workers * g.tensor_model_parallel_size
-    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    return ("cuda" if gpus and own and nccl else "cpu"), gpus
+    return ("cuda" if gpus and own and _nccl() else "cpu"), gpus
+
+
+def _nccl() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "nccl"

@@ -152,18 +152,25 @@ def scatter_object(objs: list | None, src: int, group=None) -> Any:
 class Bridge:
     """A process group of its own between processes that are not one torch.distributed world (the trainer's
     global rank 0 and its rollout workers, aligner/generation/rollout_worker.py): gloo between CPU tensors,
-    NCCL between the current CUDA devices. Bridge rank 0 hosts the rendezvous store at `address` (host:port).
+    NCCL between the current CUDA devices. Bridge rank 0 hosts the rendezvous store at `address` (host:port)
+    and chooses the device (`cuda` or `cpu`); the other ranks read it from the store, so every side agrees.
 
     Sends and rank 0's broadcasts are asynchronous (a sender never waits for a busy receiver): their buffers
     are kept until they complete (`flush` waits for them). Receives wait. Messages between two ranks arrive
     in the order they were sent."""
 
-    def __init__(self, address: str, rank: int, size: int, device: str = "cpu", timeout_s: float = 3600.0):
+    def __init__(self, address: str, rank: int, size: int, device: str | None = None, timeout_s: float = 3600.0):
         host, port = address.rsplit(":", 1)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
         store = dist.PrefixStore("aligner-bridge", self.store)
         self.rank, self.size = rank, size
+        if rank == 0:
+            self.store.set("aligner-bridge-device", device or "cpu")
+        else:
+            device = self.store.get("aligner-bridge-device").decode()
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"bridge rank 0 ({address}) chose NCCL, but bridge rank {rank} has no CUDA device")
         if device == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.group = dist.ProcessGroupNCCL(store, rank, size)

@@ -1,18 +1,23 @@
 """Asynchronous RL end to end (generation.placement=separate, online/separate.py): separate workers at lag 0
 train exactly what colocated generation trains (PPO's case: tests/e2e/test_ppo.py, the first-step layouts); at lag k each step's rollouts come from the weights after
 step max(0, t-1-k); a SIGKILLed lagged run resumes to the uninterrupted run's metrics; a rollout worker that
-dies stops the run with one line and exit 75, and the re-run matches."""
+dies stops the run with one line and exit 75, and the re-run matches; slurm/rl_async.sbatch on the local Slurm
+cluster (trainer and worker as a heterogeneous job) stops on SIGUSR1, requeues and resumes to the same metrics."""
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import psutil
 
 import pytest
 
-from tests.conftest import REWARDS, read_metrics, run_cli, sigusr1_stop_step, start_cli, wait_for_step
+from tests.conftest import (REPO, REWARDS, job_field, read_metrics, run_cli, sigusr1_stop_step, start_cli,
+                            wait_for_requeued_completion, wait_for_step)
 from tests.e2e.test_rl_loop import grpo, grpo_args
 
 # a reward that differs within every group (the response's length), so that every step changes the weights
@@ -174,3 +179,86 @@ def test_dynamic_sampling_refills_with_lagged_workers_resume_and_match_colocated
     for ours, ref in zip(resumed, runs["lagged"]):
         for key in KEYS + ("fraction/dropped_groups", "async/lag"):
             assert ours.get(key) == ref.get(key), (ours["step"], key)
+
+
+# ------------------------------------------------------------------ slurm/rl_async.sbatch on the local Slurm cluster
+ONE_TASK = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=1"]
+
+
+def submit_async_job(slurm, out, args, worker=ONE_TASK) -> str:
+    """slurm/rl_async.sbatch with one task on one node for the trainer, `worker` for the workers; aligner from
+    this checkout's environment on PATH, as a user's job finds it."""
+    env = {**slurm, "PATH": f"{os.path.dirname(sys.executable)}:{slurm['PATH']}", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    submit = subprocess.run(["sbatch", "--parsable", f"--output={out}", *ONE_TASK, ":", *worker,
+                             "slurm/rl_async.sbatch", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert submit.returncode == 0, submit.stderr
+    return submit.stdout.strip().split(";")[0]
+
+
+def test_the_async_hetjob_stops_on_usr1_requeues_and_resumes_exactly(tiny_assets, rl_assets, lag1, slurm, tmp_path):
+    """Component 0 trains, component 1 is the rollout worker (lag 1); SIGUSR1 after step 1 reaches both: the
+    trainer saves (with its pending order), stops the worker and exits 75, the script requeues the job, and the
+    requeued job ends with the uninterrupted local run's metrics."""
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    args = grpo_args(tiny_assets, rl_assets, run_dir, *STEPS, "generation.workers=1", "algorithm.async.max_lag=1",
+                     "algorithm.importance_sampling.level=token")[1:]
+    job = submit_async_job(slurm, out, args)
+    try:
+        queued = lambda: job_field(slurm, job, "JobState") in ("PENDING", "CONFIGURING", "RUNNING")  # noqa: E731
+        wait_for_step(run_dir, 1, queued)
+        signalled = subprocess.run(["scancel", "--signal=USR1", job], env=slurm, capture_output=True, text=True)
+        assert signalled.returncode == 0, signalled.stderr
+        log = wait_for_requeued_completion(slurm, job, out, timeout=600)
+    finally:
+        subprocess.run(["scancel", job], env=slurm, capture_output=True)
+    assert "start 1; trainer on node1, rollout workers on node2" in log and "start 2;" in log, log
+    assert "stopped at a checkpoint; requeueing job" in log, log
+    assert 1 <= sigusr1_stop_step(log) < 4
+    assert (run_dir / "logs/rollout_worker_task_0.log").exists()  # srun --output: the worker's own log
+    _, straight = lag1
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # every step once, none lost
+    for ours, ref in zip(metrics, straight):
+        for key in KEYS + ("async/lag", "policy/is_truncated_fraction"):
+            assert ours.get(key) == ref.get(key), (ours["step"], key)
+
+
+def test_a_rollout_worker_lost_under_slurm_stops_the_job_at_a_checkpoint_and_the_requeued_job_matches(
+        tiny_assets, rl_assets, lag1, slurm, tmp_path):
+    """No local process to poll: the trainer learns of the lost worker from its bridge, names it by its bridge
+    rank and log in one line, exits 75, and the script requeues the job."""
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    args = grpo_args(tiny_assets, rl_assets, run_dir, *STEPS, "generation.workers=1", "algorithm.async.max_lag=1",
+                     "algorithm.importance_sampling.level=token")[1:]
+    job = submit_async_job(slurm, out, args)
+    try:
+        queued = lambda: job_field(slurm, job, "JobState") in ("PENDING", "CONFIGURING", "RUNNING")  # noqa: E731
+        wait_for_step(run_dir, 1, queued)
+        os.kill(worker_pid(run_dir), signal.SIGKILL)
+        log = wait_for_requeued_completion(slurm, job, out, timeout=600)
+    finally:
+        subprocess.run(["scancel", job], env=slurm, capture_output=True)
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rollout worker 0 (TP rank 0, bridge rank 1)" in errors[0], log
+    assert str(run_dir / "logs/rollout_worker_task_0.log") in errors[0], errors
+    _, straight = lag1
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for ours, ref in zip(metrics, straight):
+        for key in KEYS + ("async/lag",):
+            assert ours.get(key) == ref.get(key), (ours["step"], key)
+
+
+def test_an_async_hetjob_with_the_wrong_worker_count_fails_before_anything_starts(tiny_assets, rl_assets, slurm,
+                                                                                  tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    job = submit_async_job(slurm, out, grpo_args(tiny_assets, rl_assets, run_dir, "generation.workers=2")[1:])
+    deadline = time.monotonic() + 120
+    while (state := job_field(slurm, job, "JobState")) not in ("FAILED", "COMPLETED"):
+        assert time.monotonic() < deadline, state
+        time.sleep(0.5)
+    log = out.read_text()
+    assert state == "FAILED" and "error: slurm/rl_async.sbatch" in log, log
+    assert "the rollout workers (component 1) have 1 tasks, but generation.workers" in log and "Traceback" not in log
+    assert not run_dir.exists()

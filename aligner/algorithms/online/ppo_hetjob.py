@@ -12,52 +12,19 @@ line naming the component and the key.
 """
 from __future__ import annotations
 
-import shlex
-import subprocess
 import sys
-from dataclasses import dataclass
 
 from aligner.config import compose_config
 from aligner.config.validate import validate
 from aligner.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Component:
-    offset: int
-    nodes: int
-    tasks: int
-    gpus_per_node: int
-    nodelist: str
-
-
-def parse_components(scontrol_lines: str) -> list[Component]:
-    """The components of `scontrol show job -o JOB` (one line each, `key=value` fields), by offset."""
-    found = []
-    for line in scontrol_lines.splitlines():
-        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-        if "JobId" not in fields:
-            continue
-        found.append(Component(int(fields.get("HetJobOffset", 0)), int(fields["NumNodes"].split("-")[0]),
-                               int(fields["NumTasks"]), _gpus_per_node(fields.get("TresPerNode", "")),
-                               fields["NodeList"]))
-    return sorted(found, key=lambda c: c.offset)
-
-
-def _gpus_per_node(tres: str) -> int:
-    """8 from 'gres:gpu:8', 'gres/gpu:h100:8' or 'gres/gpu=8'; 0 without GPUs."""
-    for item in tres.split(","):
-        if "gpu" in item:
-            return int(item.replace("=", ":").rsplit(":", 1)[1])
-    return 0
+from aligner.launch.slurm_job import (Component, check_one_task_per_gpu, hostnames, job_components, parse_components,
+                                      shell)
 
 
 def check_layout(cfg, service: Component, actor: Component) -> None:
     """One rank per GPU on either side, and each side's parallel sizes dividing its ranks."""
-    for name, comp in (("service (component 0)", service), ("actor (component 1)", actor)):
-        if comp.gpus_per_node and comp.tasks != comp.nodes * comp.gpus_per_node:
-            raise ConfigError(f"the {name} has {comp.tasks} tasks on {comp.nodes} nodes with {comp.gpus_per_node} GPUs "
-                              f"each: give it one task per GPU (--ntasks-per-node={comp.gpus_per_node})")
+    check_one_task_per_gpu("service (component 0)", service)
+    check_one_task_per_gpu("actor (component 1)", actor)
     p = cfg.critic.parallel
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if service.tasks % mp:
@@ -77,12 +44,7 @@ def ports(job_id: int) -> dict[str, int]:
             "actor_master": 29000 + job_id % 3000}
 
 
-def first_host(nodelist: str) -> str:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-    return out.stdout.split()[0]
-
-
-def plan(job_id: int, overrides: list[str], scontrol_lines: str, host_of=first_host) -> dict[str, list[str] | str]:
+def plan(job_id: int, overrides: list[str], scontrol_lines: str, host_of=lambda nodes: hostnames(nodes)[0]) -> dict[str, list[str] | str]:
     # ppo imports torch and megatron (seconds); this check runs before the job's ranks start
     from aligner.algorithms.online.ppo import embedded_overrides
 
@@ -105,20 +67,9 @@ def plan(job_id: int, overrides: list[str], scontrol_lines: str, host_of=first_h
             "actor_master_port": str(p["actor_master"])}
 
 
-def shell(assignments: dict[str, list[str] | str]) -> str:
-    lines = []
-    for name, value in assignments.items():
-        if isinstance(value, list):
-            lines.append(f"{name}=({' '.join(shlex.quote(v) for v in value)})")
-        else:
-            lines.append(f"{name}={shlex.quote(value)}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str]) -> int:
     job_id, overrides = int(argv[0]), argv[1:]
-    lines = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
-                           check=True).stdout
+    lines = job_components(job_id)
     try:
         print(shell(plan(job_id, overrides, lines)))
     except ConfigError as e:

@@ -4,6 +4,7 @@ weights, the frozen reference (when the loss has a KL term), the reward scorers 
 packing layout of its micro-batches."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,11 +91,26 @@ def start_rollout_workers(cfg) -> RolloutWorkers | None:
     builds its model), with the run's config beside their logs."""
     if cfg.generation.get("placement", "colocated") != "separate" or dist.get_rank() != 0:
         return None
-    logs = Path(cfg.run_dir) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    config = logs / "rollout_workers.yaml"
-    OmegaConf.save(cfg, config)
-    return RolloutWorkers(cfg, config, "ppo" if "critic" in cfg else "grpo", logs)
+    if os.environ.get("ALIGNER_BRIDGE"):  # srun started the workers on the config the job's plan wrote
+        return RolloutWorkers(cfg, worker_config_path(cfg), worker_schema(cfg), worker_config_path(cfg).parent)
+    return RolloutWorkers(cfg, save_worker_config(cfg), worker_schema(cfg), worker_config_path(cfg).parent)
+
+
+def worker_config_path(cfg) -> Path:
+    return Path(cfg.run_dir) / "logs" / "rollout_workers.yaml"
+
+
+def worker_schema(cfg) -> str:
+    """The command whose schema reads the workers' config back (grpo's serves reinforce's too)."""
+    return "ppo" if "critic" in cfg else "grpo"
+
+
+def save_worker_config(cfg) -> Path:
+    """The run's config where the rollout workers read it, beside their logs."""
+    path = worker_config_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, path)
+    return path
 
 
 def reward_scorers(cfg, tokenizer, score: bool = True):
