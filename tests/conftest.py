@@ -4,11 +4,18 @@ local Slurm cluster, each built once per test session; running the `aligner` CLI
 run gets a clean process, like a user's) and reading its metrics; a tiny model on this one process.
 The session starts a zygote (aligner/launch/zygote.py) that has imported torch, megatron-core and aligner
 once: CLI runs and their ranks fork from it instead of paying ~5 s of imports each (servers, Slurm jobs and
-the example's commands start fresh; ALIGNER_TEST_ZYGOTE=0 turns it off)."""
+the example's commands start fresh; ALIGNER_TEST_ZYGOTE=0 turns it off).
+
+README's test command runs the suite on two pytest-xdist workers, a test file at a time each (`--dist
+loadfile`: a file's module fixtures are built once). The workers share the zygote, the session's built assets
+(built once, under a file lock, in the session's shared folder) and the local Slurm cluster; a test marked
+`solo` (a timing-sensitive one) runs while no other test does; Slurm tests run one at a time."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from aligner.launch.zygote import ZYGOTE_VARIABLE, popen, run
 
@@ -24,20 +32,34 @@ REPO = Path(__file__).resolve().parent.parent
 TIERS = ("unit", "integration", "e2e")
 
 
+# the longest files first, so that no worker starts one of them when the rest of the suite is nearly done
+LONGEST_FIRST = ("tests/e2e/test_example.py", "tests/e2e/test_device_kit.py", "tests/e2e/test_ppo.py",
+                 "tests/e2e/test_rl_async.py")
+
+
 def pytest_collection_modifyitems(items):
-    """Each test is marked by its folder's tier, so `-m unit` equals `pytest tests/unit`."""
+    """Each test is marked by its folder's tier, so `-m unit` equals `pytest tests/unit`; the longest files
+    first (LONGEST_FIRST)."""
     for item in items:
         tier = Path(item.fspath).parent.name
         if tier in TIERS:
             item.add_marker(tier)
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.fspath).relative_to(REPO).as_posix(), len(rank)))
 
 
 _zygote: subprocess.Popen | None = None
+SHARED_VARIABLE = "ALIGNER_TEST_SHARED"  # the session's folder that every xdist worker shares
+_owns_shared = False
 
 
 def pytest_configure(config):
-    """Start the session's zygote; processes start without it until its imports are done (module doc)."""
-    global _zygote
+    """The session's shared folder (made by the controller or a plain session; xdist workers inherit it), and
+    its zygote; processes start without the zygote until its imports are done (module doc)."""
+    global _zygote, _owns_shared
+    if not os.environ.get(SHARED_VARIABLE):
+        os.environ[SHARED_VARIABLE] = tempfile.mkdtemp(prefix="aligner-tests-")
+        _owns_shared = True
     if os.environ.get("ALIGNER_TEST_ZYGOTE", "1") == "0" or os.environ.get(ZYGOTE_VARIABLE):
         return
     where = Path(tempfile.mkdtemp(prefix="aligner-zygote-"))
@@ -52,6 +74,42 @@ def pytest_unconfigure(config):
     if _zygote is not None:
         _zygote.terminate()
         _zygote.wait()
+    if _owns_shared:  # after every worker is done: the cluster (if a test started it) and the built assets go
+        shared = Path(os.environ.pop(SHARED_VARIABLE))
+        if (shared / "slurm-started").exists():
+            subprocess.run(["bash", "scripts/slurm_local.sh", "stop"], cwd=REPO, capture_output=True, timeout=120)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def shared_dir() -> Path:
+    return Path(os.environ[SHARED_VARIABLE])
+
+
+def built_once(name: str, build) -> Path:
+    """`build(folder)` once per session, whichever worker asks first; the others wait for it and reuse it."""
+    root = shared_dir() / name
+    with FileLock(str(root) + ".lock"):
+        if not (root / ".built").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            build(root)
+            (root / ".built").touch()
+    return root
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A `solo` test (its fixtures' set-up included) holds the session's lock alone, every other test holds it
+    shared. A test queues at the turnstile first, so that a solo test waits only for the tests already running."""
+    shared = shared_dir()
+    with open(shared / "turnstile.lock", "a") as turnstile, open(shared / "solo.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("solo") else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 UNIT_BUDGET_S = 5.0  # a unit test slower than this belongs in tests/integration (or needs a smaller shape)
@@ -83,15 +141,16 @@ REWARDS = "tests.rl_reward_fixtures"  # reward functions for the RL tests (modul
 
 
 @pytest.fixture(scope="session")
-def tiny_assets(tmp_path_factory):
+def tiny_assets():
     from aligner.data.synthetic import corpus, write_sft_chat
     from aligner.data.tokenizer import build_tiny_tokenizer
 
-    root = tmp_path_factory.mktemp("tiny")
-    build_tiny_tokenizer(corpus(2000, seed=0), root / "tokenizer", vocab_size=512)
-    write_sft_chat(root / "train.jsonl", 400, seed=1)
-    write_sft_chat(root / "val.jsonl", 64, seed=2)
-    return root
+    def build(root):
+        build_tiny_tokenizer(corpus(2000, seed=0), root / "tokenizer", vocab_size=512)
+        write_sft_chat(root / "train.jsonl", 400, seed=1)
+        write_sft_chat(root / "val.jsonl", 64, seed=2)
+
+    return built_once("tiny", build)
 
 
 FRESH = {ZYGOTE_VARIABLE: ""}  # a CLI environment in which processes start fresh, not forked from the zygote
@@ -158,12 +217,12 @@ def tokenizer(tiny_assets):
 
 
 @pytest.fixture(scope="session")
-def small_tokenizer_dir(tmp_path_factory):
+def small_tokenizer_dir():
     """A tiny BPE tokenizer of its own (trained on 300 synthetic texts), for the tokenizer and data tests."""
     from aligner.data.synthetic import corpus
     from aligner.data.tokenizer import build_tiny_tokenizer
 
-    return build_tiny_tokenizer(corpus(300, seed=0), tmp_path_factory.mktemp("tiny_tokenizer"))
+    return built_once("tiny_tokenizer", lambda root: build_tiny_tokenizer(corpus(300, seed=0), root))
 
 
 @pytest.fixture(scope="session")
@@ -204,36 +263,46 @@ def build_single_process_gpt(seed: int, *, policy: bool = False, vocab_size: int
 
 
 @pytest.fixture(scope="session")
-def rl_assets(tiny_assets, tmp_path_factory):
+def rl_assets(tiny_assets):
     """An arithmetic SFT policy (40 steps) and prompt files: arithmetic prompts, and prompts whose
     record asks for the string "7" (`emits_target`), every third one unscorable (`unscorable_when`)."""
     from aligner.data.synthetic import write_arithmetic_prompts, write_sft_chat
 
-    root = tmp_path_factory.mktemp("rl")
-    write_sft_chat(root / "sft.jsonl", 400, seed=1, max_operand=9)
-    write_arithmetic_prompts(root / "prompts.jsonl", 200, seed=3, max_operand=9)
-    write_arithmetic_prompts(root / "val.jsonl", 16, seed=4, max_operand=9)
-    records = [json.loads(line) for line in (root / "prompts.jsonl").read_text().splitlines()]
-    write_jsonl_lines(root / "target.jsonl", [json.dumps({**r, "target": "7", "unscorable": i % 3 == 0})
-                                              for i, r in enumerate(records)])
-    result = run_cli("train", "sft", f"run_dir={root / 'sft'}", f"data.train_path={root / 'sft.jsonl'}",
-                     f"tokenizer.path={tiny_assets / 'tokenizer'}", "trainer.max_steps=40", "optim.lr=3e-3",
-                     "optim.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root
+    def build(root):
+        write_sft_chat(root / "sft.jsonl", 400, seed=1, max_operand=9)
+        write_arithmetic_prompts(root / "prompts.jsonl", 200, seed=3, max_operand=9)
+        write_arithmetic_prompts(root / "val.jsonl", 16, seed=4, max_operand=9)
+        records = [json.loads(line) for line in (root / "prompts.jsonl").read_text().splitlines()]
+        write_jsonl_lines(root / "target.jsonl", [json.dumps({**r, "target": "7", "unscorable": i % 3 == 0})
+                                                  for i, r in enumerate(records)])
+        result = run_cli("train", "sft", f"run_dir={root / 'sft'}", f"data.train_path={root / 'sft.jsonl'}",
+                         f"tokenizer.path={tiny_assets / 'tokenizer'}", "trainer.max_steps=40", "optim.lr=3e-3",
+                         "optim.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false")
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    return built_once("rl", build)
 
 
 @pytest.fixture(scope="session")
-def slurm():
-    """A local Slurm cluster of 2 fake nodes (scripts/slurm_local.sh); its environment for sbatch & co."""
+def slurm_cluster():
+    """A local Slurm cluster of 2 fake nodes (scripts/slurm_local.sh); its environment for sbatch & co. Started
+    once for every worker, stopped at the session's end (pytest_unconfigure)."""
     if os.geteuid() != 0:
         pytest.skip("a local Slurm cluster needs root (scripts/slurm_local.sh)")
-    start = subprocess.run(["bash", "scripts/slurm_local.sh", "start"], cwd=REPO, capture_output=True, text=True,
-                           timeout=300)
+    with FileLock(str(shared_dir() / "slurm-start.lock")):
+        start = subprocess.run(["bash", "scripts/slurm_local.sh", "start"], cwd=REPO, capture_output=True, text=True,
+                               timeout=300)
+        (shared_dir() / "slurm-started").touch()
     assert start.returncode == 0, start.stderr
     conf = start.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    yield {**os.environ, "SLURM_CONF": conf}
-    subprocess.run(["bash", "scripts/slurm_local.sh", "stop"], cwd=REPO, capture_output=True, timeout=120)
+    return {**os.environ, "SLURM_CONF": conf}
+
+
+@pytest.fixture()
+def slurm(slurm_cluster):
+    """The cluster for one test's jobs: one test's at a time, so each test's job finds the nodes it expects."""
+    with FileLock(str(shared_dir() / "slurm-jobs.lock")):
+        yield slurm_cluster
 
 
 def job_field(env, job: str, field: str) -> str:

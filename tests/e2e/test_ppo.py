@@ -92,6 +92,7 @@ def _signal_service(run_dir, sig) -> None:
         os.kill(p.pid, sig)
 
 
+@pytest.mark.solo
 def test_a_stalled_service_changes_nothing_a_killed_one_stops_the_run_and_the_rerun_resumes(
         tiny_assets, rl_assets, straight, tmp_path):
     """Once step 2's checkpoints are complete the service stalls for 3 s (SIGSTOP, SIGCONT): the run waits,
@@ -168,6 +169,7 @@ def test_the_cohosted_reward_model_scores_come_with_the_values():
         service.close()
 
 
+@pytest.mark.solo
 def test_a_failed_request_is_asked_again_until_the_deadline_then_masked_or_the_service_is_lost():
     ok = Values(tuple(SampleResult(OK, np.arange(4, dtype=np.float32)) for _ in range(2)))
     failed = Values((SampleResult(TIMEOUT, None, "no answer within 30 s"),) * 2)

@@ -30,9 +30,8 @@ def _far_miss_pairs(n: int, seed: int) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def preference_data(tiny_assets):
-    root = tiny_assets / "preferences"
-    root.mkdir(exist_ok=True)
+def preference_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preferences")
     write_jsonl_lines(root / "train.jsonl", _far_miss_pairs(2000, seed=1))
     write_jsonl_lines(root / "val.jsonl", _far_miss_pairs(256, seed=2))
     return root

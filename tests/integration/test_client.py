@@ -81,6 +81,7 @@ def closed_port() -> int:
         return s.getsockname()[1]  # nothing listens once the socket is closed
 
 
+@pytest.mark.solo
 def test_wait_ready_names_host_port_and_endpoint():
     port = closed_port()
     start = time.monotonic()
@@ -134,6 +135,7 @@ def test_a_server_still_loading_its_models_is_retried(fake):
 
 
 @pytest.mark.parametrize("fake", ["hang"], indirect=True)
+@pytest.mark.solo
 def test_slow_answers_are_timeouts(fake):
     with RewardClient(port=fake.port, timeout_s=0.5, retries=3) as client:
         start = time.monotonic()

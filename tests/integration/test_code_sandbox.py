@@ -30,6 +30,9 @@ from aligner.rewards.code import (ARGV, CodeResult, Limits, code_all_passed, cod
 from aligner.rewards.functions import REWARD_FUNCTIONS
 from aligner.rewards.scoring import RemoteReward  # here, not in a test: the host fixture measures the test's growth
 
+# solo: the host fixture checks the whole machine's sandbox processes and run folders, and the timings hold
+# a run's wall time to its limit; another worker's sandbox runs would be counted
+pytestmark = pytest.mark.solo
 LIMITS = Limits(wall_s=2.0, cpu_s=1.5, memory_mb=256, file_mb=1, disk_mb=16, inodes=512, processes=16,
                 output_bytes=64 << 10)
 ROOT = os.geteuid() == 0

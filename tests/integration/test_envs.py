@@ -150,6 +150,7 @@ def test_environment_failures_get_failure_reward_and_the_rest_go_on(engine, toke
     assert metrics["fraction/env_errors"] == 4 / 7
 
 
+@pytest.mark.solo
 def test_eight_episodes_of_three_slow_turns_take_less_than_twice_one(engine, tokenizer):
     """Slow: 0.5 s of tool latency a turn, done at the third. Eight episodes at env.concurrency=8 against one."""
     from aligner.generation import rng

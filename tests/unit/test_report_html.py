@@ -134,6 +134,7 @@ def test_a_half_written_last_line_is_skipped(tmp_path):
     assert [r["step"] for r in report.load_runs([run])[0].rows] == [1, 2]
 
 
+@pytest.mark.solo
 def test_report_of_150_grpo_steps_is_cheap(tmp_path):
     run = make_run(tmp_path, "grpo", [grpo_row(s) for s in range(1, 151)], GRPO_CONFIG,
                    {s: [sample(s, k) for k in range(4)] for s in range(1, 151)})
