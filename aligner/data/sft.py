@@ -3,7 +3,7 @@
 Conventions:
 * A `Sample` has `ids` and an equally long `loss_mask` (1 = trained on). The mask refers to the token at
   the same position; the loader shifts it so that the label `ids[t]` at position `t-1` uses `loss_mask[t]`.
-* Chat (`{"messages": [...]}`, roles system/user/assistant): the conversation is rendered with the
+* Chat (`{"messages": [...]}`, roles system/user/assistant/tool): the conversation is rendered with the
   tokenizer's chat template and encoded with `add_special_tokens=False` (a template writes its own bos);
   the loss covers each assistant turn, i.e. the tokens the full rendering adds after the generation prompt
   (for the tiny template: the content and its `<eos>`). This needs a prefix-stable template.
@@ -24,7 +24,7 @@ from aligner.data.steerlm import insert_condition
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # tool: an environment's observation (aligner.envs)
 FORMATS = ("auto", "chat", "input_output")
 
 

@@ -40,6 +40,17 @@ def calculate(expression: str) -> str:
     return str(result)
 
 
+def calculator_call(prompt: str, response: str, /, answer=None, **fields) -> float | None:
+    """A reward function (`reward.val_functions=[aligner.envs.tools:calculator_call]`) for calculator episodes:
+    1.0 when the first `<calc>` call in the episode's text (its turns and observations) evaluates to `answer`,
+    0.0 when it does not or there is none; None without an answer."""
+    if answer is None:
+        return None
+    call = _CALL.search(response)
+    value = calculate(call.group(1)) if call is not None else "error"
+    return float(not value.startswith("error") and value == calculate(str(answer)))
+
+
 class Calculator(Environment):
     """A turn with `<calc>EXPRESSION</calc>` gets the value of its first expression back as a tool turn;
     any other turn is the final answer."""

@@ -1,6 +1,8 @@
 """Build the tiny example's inputs with no download: a byte-level BPE tokenizer (vocab 512),
 synthetic arithmetic chat data for SFT, preference pairs (right answer vs a near miss) for the reward
 model and DPO, arithmetic prompts with their answers for GRPO, and the held-out prompts again, rendered with the chat template, for generation.
+For examples/tiny/agent.sh: two-digit products (beyond the SFT model) as calculator conversations, a mix in which
+most are answered directly, and prompts for GRPO with the calculator tool (agent_*.jsonl).
 
     python examples/tiny/prepare.py --out runs/tiny
 """
@@ -11,7 +13,8 @@ import json
 from pathlib import Path
 
 from aligner.data.preference_rm import write_arithmetic_preferences
-from aligner.data.synthetic import arithmetic_problems, chat_messages, corpus, write_arithmetic_prompts, write_sft_chat
+from aligner.data.synthetic import (arithmetic_problems, chat_messages, corpus, write_arithmetic_prompts,
+                                    write_calculator_chat, write_prompts, write_sft_chat)
 from aligner.data.tokenizer import build_tiny_tokenizer, load_tokenizer
 
 
@@ -41,7 +44,18 @@ def main() -> None:
             user_turn = chat_messages(problem)[:1]
             text = tokenizer.apply_chat_template(user_turn, tokenize=False, add_generation_prompt=True)
             f.write(json.dumps({"prompt": text, "answer": problem["answer"]}) + "\n")
-    print(f"wrote {out}/: tokenizer, sft_{{train,val}}.jsonl, pref_{{train,val}}.jsonl, rl_{{train,val}}.jsonl, prompts.jsonl")
+    # agent.sh: products of two-digit numbers, which the SFT model (operands up to 9) cannot work out itself. The
+    # calculator's demonstrations, then a mix in which one in five uses it (the others answer directly); the 128
+    # held-out prompts appear in none of the others
+    hard = {"max_operand": 99, "ops": "*", "min_operand": 10}
+    val = arithmetic_problems(128, seed=10, **hard)
+    unseen = lambda n, seed: [p for p in arithmetic_problems(n, seed, **hard) if p not in val]  # noqa: E731
+    write_prompts(out / "agent_val.jsonl", val)
+    write_prompts(out / "agent_train.jsonl", unseen(2000, seed=9))
+    write_calculator_chat(out / "agent_sft.jsonl", unseen(4000, seed=8))
+    write_calculator_chat(out / "agent_mix.jsonl", unseen(2000, seed=12), tool_fraction=0.2, seed=13)
+    print(f"wrote {out}/: tokenizer, sft_{{train,val}}.jsonl, pref_{{train,val}}.jsonl, rl_{{train,val}}.jsonl, "
+          f"prompts.jsonl, agent_{{sft,mix,train,val}}.jsonl")
 
 
 if __name__ == "__main__":

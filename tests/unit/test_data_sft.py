@@ -72,6 +72,43 @@ def test_writers(tmp_path):
                                     {"role": "assistant", "content": problems[0]["answer"]}]}
 
 
+def test_operand_range_and_the_calculator_conversations(tmp_path):
+    problems = synthetic.arithmetic_problems(300, seed=3, max_operand=99, ops="*", min_operand=10)
+    assert all(10 <= int(x) <= 99 for p in problems for x in p["question"][:-1].split("*"))
+    assert synthetic.arithmetic_problems(50, 4, 9) == synthetic.arithmetic_problems(50, 4, 9, min_operand=0)
+    with pytest.raises(ValueError, match="min_operand <= max_operand"):
+        synthetic.arithmetic_problems(1, 0, max_operand=5, min_operand=6)
+    assert synthetic.calculator_messages({"question": "12*34=", "answer": "408"}) == [
+        {"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "content": "<calc>12*34</calc>"},
+        {"role": "tool", "content": "408"}, {"role": "assistant", "content": "408"}]
+    rows = [obj["messages"] for _, obj in read_jsonl(synthetic.write_calculator_chat(tmp_path / "mix.jsonl", problems,
+                                                                                    tool_fraction=0.2, seed=1))]
+    tools = [m for m in rows if len(m) == 4]
+    assert 30 < len(tools) < 90 and tools[0] == synthetic.calculator_messages(problems[rows.index(tools[0])])
+    assert all(m[1]["content"] == f"It is {p['answer']}" for m, p in zip(rows, problems) if len(m) == 2)
+    with pytest.raises(ValueError, match="tool_fraction"):
+        synthetic.write_calculator_chat(tmp_path / "x.jsonl", problems, tool_fraction=1.5)
+    prompts = [obj for _, obj in read_jsonl(synthetic.write_prompts(tmp_path / "p.jsonl", problems[:2]))]
+    assert prompts[0] == {"prompt": [{"role": "user", "content": f"What is {problems[0]['question'][:-1]}?"}],
+                          "answer": problems[0]["answer"]}
+
+
+def test_tool_turns_train_on_the_token_layout_of_the_episodes(tokenizer):
+    """A calculator conversation tokenizes as the episode runner lays out its episode (aligner/envs/episodes.py):
+    the prompt, the first turn and its eos, the observation with the next generation prompt, the answer and its
+    eos; the loss is on the two assistant turns only."""
+    from aligner.envs.episodes import Renderer
+
+    messages = synthetic.calculator_messages({"question": "47*58=", "answer": "2726"})
+    ids, mask = tokenize_chat(messages, tokenizer)
+    renderer, eos = Renderer(tokenizer), [tokenizer.eos_token_id]
+    call, tool = plain_token_ids(tokenizer, "<calc>47*58</calc>") + eos, renderer.observation_ids("2726")
+    answer = plain_token_ids(tokenizer, "2726") + eos
+    prompt = renderer.prompt_ids(messages[:1])
+    assert ids == prompt + call + tool + answer
+    assert mask == [0] * len(prompt) + [1] * len(call) + [0] * len(tool) + [1] * len(answer)
+
+
 # ---- tokenize_chat ---------------------------------------------------------------------------------
 def test_chat_mask_is_the_assistant_content_and_eos(small_tokenizer):
     ids, mask = tokenize_chat(CHAT, small_tokenizer)

@@ -6,7 +6,7 @@ import pytest
 from aligner.envs import Calculator, PythonTool, resolve_environment
 from aligner.envs.base import check_step
 from aligner.envs.episodes import Renderer
-from aligner.envs.tools import calculate
+from aligner.envs.tools import calculate, calculator_call
 
 F = "tests.env_fixtures"
 
@@ -27,6 +27,17 @@ def test_calculator_episode_scored_by_the_reward_functions():
     env.reset({"prompt": "?", "answer": "5535"})
     assert env.step("5536") == (None, 0.0, True)
     assert Calculator().step("no reward functions") == (None, None, True)  # unscored, not 0
+
+
+def test_calculator_call_scores_the_first_call_of_an_episode():
+    """reward.val_functions=[aligner.envs.tools:calculator_call]: the tiny example's tool-use success."""
+    episode = "<calc>47*58</calc><|tool|>27262726"  # a decoded episode: the call, the tool turn, the answer
+    assert calculator_call("?", episode, answer="2726") == 1.0
+    assert calculator_call("?", "<calc>58 * 47</calc>2726", answer=2726) == 1.0  # any expression of that value
+    assert calculator_call("?", "<calc>47*85</calc>3995<calc>47*58</calc>2726", answer="2726") == 0.0  # the first
+    assert calculator_call("?", "2726", answer="2726") == 0.0  # answered without the calculator
+    assert calculator_call("?", "<calc>47*</calc>", answer="2726") == 0.0 and calculator_call("?", episode) is None
+    assert calculator_call("?", "<calc>x</calc>", answer="x") == 0.0  # an error never matches
 
 
 def test_resolution_by_name_and_the_bad_names():

@@ -58,7 +58,7 @@ def test_a_tokenizer_that_adds_bos(tmp_path, small_tokenizer_dir):
     ({"prompt": ""}, "expected a non-empty 'prompt', got an empty string"),
     ({"prompt": []}, "expected 'prompt' to be a string or a non-empty list of {role, content} messages, got an "
                      "empty list"),
-    ({"prompt": [{"content": "hi"}]}, "prompt[0]: expected 'role' to be one of system, user, assistant, got None"),
+    ({"prompt": [{"content": "hi"}]}, "prompt[0]: expected 'role' to be one of system, user, assistant, tool, got None"),
     ({"prompt": [{"role": "user"}]}, "prompt[0]: expected 'content' to be a string, got null"),
     ({"prompt": ["hi"]}, "prompt[0]: expected an object with 'role' and 'content', got a string"),
     ({"prompt": [*USER, {"role": "assistant", "content": "19"}]}, "expected the last message of 'prompt' to be a "

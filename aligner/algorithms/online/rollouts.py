@@ -231,6 +231,8 @@ class RolloutTrainer(Trainer):
         metrics = {"val/reward/mean": sum(scores) / len(scores) if scores else float("nan"),
                    "val/fraction/unscored": 1 - len(scores) / len(samples),
                    "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples)}
+        if self.multiturn:  # the validation episodes' turns, tool calls and ends (val/episode/*, val/fraction/*)
+            metrics.update({f"val/{k}": v for k, v in self.episode_metrics.items() if not k.startswith("timing/")})
         metrics.update(self.validation_functions(samples))
         return metrics
 
