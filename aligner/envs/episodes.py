@@ -14,7 +14,9 @@ the observation after a finished assistant turn, with the generation prompt of t
 difference between rendering a fixed conversation with and without the observation messages; text is
 one `tool` message), encoded alone. Observation tokens have loss mask 0 and log-prob 0; assistant tokens
 mask 1 and the engine's log-probs. The environment gets each turn as text (decoded, special tokens
-skipped); that text never enters the trajectory.
+skipped); that text never enters the trajectory. An episode also keeps its turns as text (`transcript`: each
+assistant turn as the environment got it, with the reward it gave for it, and each appended observation's
+messages), for the rollouts files and the report; its `Summary` is what a sample keeps of it.
 
 Turn k of an episode is seeded with `derive_seed(episode seed, k)`. An episode ends when the environment
 says done, when it fails (raises, overruns its deadline, returns garbage: `failure_reward`), at `max_turns`
@@ -53,10 +55,26 @@ class Episode:
     end: str = ""  # one of ENDS
     error: str = ""  # why the environment failed
     score: Optional[float] = None
+    # the turns as text: {"role": "assistant", "text", "reward" (None: none given)}, then the appended
+    # observation's messages {"role", "text"} ("tool" for a text observation)
+    transcript: list[dict] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         return bool(self.end)
+
+    def summary(self) -> Summary:
+        return Summary(self.turns, self.tool_calls, self.end, self.error, self.transcript)
+
+
+@dataclass
+class Summary:
+    """What a sample keeps of its episode besides the tokens: the step's episode metrics and the report read it."""
+    turns: int
+    tool_calls: int
+    end: str
+    error: str
+    transcript: list[dict]
 
 
 class Renderer:
@@ -148,6 +166,7 @@ def run_episodes(engine: GenerationBackend, tokenizer, prompt_ids: Sequence[Sequ
             e.turns += 1
             e.is_end = bool(ended) and keep == len(ids)
             actions.append(tokenizer.decode(ids[:keep], skip_special_tokens=True))
+            e.transcript.append({"role": "assistant", "text": actions[-1], "reward": None})
         stepping = []
         for k, action in zip(active, actions):
             if k in failed_at_reset:
@@ -162,6 +181,7 @@ def run_episodes(engine: GenerationBackend, tokenizer, prompt_ids: Sequence[Sequ
             observation, reward, done = value
             if reward is not None:
                 e.rewards.append(reward)
+                e.transcript[-1]["reward"] = reward
             if done:
                 _end(e, "env", failure_reward)
             elif not e.is_end:
@@ -182,13 +202,16 @@ def run_episodes(engine: GenerationBackend, tokenizer, prompt_ids: Sequence[Sequ
                 e.response_mask += [0] * len(ids)
                 e.logprobs += [0.0] * len(ids)
                 e.tool_calls += observation is not None
+                e.transcript += [{"role": "tool", "text": observation}] if isinstance(observation, str) else \
+                    [{"role": str(m.get("role")), "text": str(m.get("content"))} for m in observation or []]
     for e in episodes:  # rounds ran out: only when every episode ended or max_turns was reached
         if not e.done:
             _end(e, "max_turns", failure_reward)
     return episodes, episode_metrics(episodes, env_s)
 
 
-def episode_metrics(episodes: Sequence[Episode], env_s: float) -> dict:
+def episode_metrics(episodes: Sequence[Episode | Summary], env_s: float) -> dict:
+    """The episodes' turns, tool calls and ends (`episode/*`, `fraction/*`), and `timing/env_s`."""
     n = max(len(episodes), 1)
     return {"episode/turns_mean": statistics.fmean(e.turns for e in episodes) if episodes else 0.0,
             "episode/tool_calls_mean": statistics.fmean(e.tool_calls for e in episodes) if episodes else 0.0,

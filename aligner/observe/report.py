@@ -3,8 +3,9 @@
 It reads what a run directory holds (`metrics.jsonl`, `config.yaml`, `rollouts/step_<N>.jsonl`,
 `checkpoints/`) and draws one chart per metric family present in any run (runs overlaid, legend named
 by run directory), a stacked chart of each run's `timing/*_s` phases, a table of the config keys whose
-values differ between runs, and the latest rollout samples with their rewards (`report_html.py` writes
-the page). `aligner train` writes `<run_dir>/report.html` at each checkpoint and at the end, so this is
+values differ between runs, and the latest rollout samples with their rewards, a multi-turn episode turn by
+turn (its `turns`: the assistant's text with the environment's reward for it, the tool's output) (`report_html.py`
+writes the page). `aligner train` writes `<run_dir>/report.html` at each checkpoint and at the end, so this is
 cheap: plain Python over the JSON lines, no figure objects (a 150-step GRPO run takes tens of ms).
 
 Plotting library: plotly.js, inlined once into the file from the `plotly` PyPI package (which ships
@@ -56,9 +57,10 @@ FAMILIES = [
 ]
 VALIDATION = "Validation"  # the `val/*` metrics no family takes (e.g. val/<reward function>/mean)
 # timing/<phase>_s phases left out of the stack: `step` is the whole step (the stack's top), `score` is the
-# reward pool's own time (it overlaps the log-prob passes; `score_wait` is the loop's wait), and
-# `*_server` phases are measured by a server while the trainer does something else.
-UNSTACKED = re.compile(r"step|score|.+_server")
+# reward pool's own time (it overlaps the log-prob passes; `score_wait` is the loop's wait), `env` is the
+# environments' time inside `generate` (or on separate rollout workers), and `*_server` phases are measured by a
+# server while the trainer does something else.
+UNSTACKED = re.compile(r"step|score|env|.+_server")
 
 
 # ---- reading run directories --------------------------------------------------------------------------

@@ -22,7 +22,7 @@ COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 DASHES = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"]
 MARKERS_UP_TO = 50  # series this short also get a marker per point (a single point has no line)
 MAX_TEXT = 2000  # characters of a prompt or response shown; the rest is cut with a note
-ROLLOUT_FIELDS = ["prompt", "response", "score", "reward", "advantage", "valid", "is_end"]
+ROLLOUT_FIELDS = ["prompt", "response", "score", "reward", "advantage", "valid", "is_end", "end"]
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -36,6 +36,11 @@ td.text { white-space: pre-wrap; font-family: monospace; max-width: 40em; overfl
 .chart { height: 340px; border: 1px solid #eee; }
 pre { background: #f8f8f8; padding: 0.5em; overflow: auto; max-height: 30em; }
 .note { color: #666; }
+ol.turns { list-style: none; margin: 0; padding: 0; max-width: 40em; }
+li.turn { margin: 0 0 0.3em; padding: 0.2em 0.4em; border-left: 3px solid #bbb; background: #f8f8f8; }
+li.turn.assistant { border-color: #1f77b4; background: #eef4fb; }
+.role { font-weight: bold; font-size: 0.85em; } .turn-reward { margin-left: 0.6em; font-size: 0.85em; color: #2ca02c; }
+.turn-text { white-space: pre-wrap; font-family: monospace; overflow-wrap: anywhere; }
 """
 
 SCRIPT = """
@@ -73,11 +78,31 @@ def cell(value) -> str:
     return esc(value)
 
 
-def text_cell(value) -> str:
+def cut(value) -> str:
     text = "" if value is None else str(value)
     if len(text) > MAX_TEXT:
         text = f"{text[:MAX_TEXT]}\n[... {len(text) - MAX_TEXT} more characters]"
-    return f'<td class="text">{esc(text)}</td>'
+    return text
+
+
+def text_cell(value) -> str:
+    return f'<td class="text">{esc(cut(value))}</td>'
+
+
+def turns_cell(row: dict) -> str:
+    """A multi-turn episode's response as its turns: each assistant turn with the reward the environment gave
+    for it, each observation message with its role; then why the environment failed, if it did."""
+    items = []
+    for turn in row["turns"] if isinstance(row["turns"], list) else []:
+        turn = turn if isinstance(turn, dict) else {"role": "?", "text": turn}
+        role = str(turn.get("role"))
+        reward = turn.get("reward")
+        badge = f'<span class="turn-reward">reward {cell(reward)}</span>' if isinstance(reward, (int, float)) else ""
+        items.append(f'<li class="turn{" assistant" if role == "assistant" else ""}" data-role="{esc(role)}">'
+                     f'<span class="role">{esc(role)}</span>{badge}'
+                     f'<div class="turn-text">{esc(cut(turn.get("text")))}</div></li>')
+    error = f'<div class="note">environment error: {esc(cut(row["error"]))}</div>' if row.get("error") else ""
+    return f'<td class="episode"><ol class="turns">{"".join(items)}</ol>{error}</td>'
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -130,7 +155,8 @@ def rollouts_section(runs: list[Run]) -> str:
     for run in shown:
         for step, rows in reversed(run.rollouts):
             fields = [f for f in ROLLOUT_FIELDS if any(f in r for r in rows)]
-            body = [[text_cell(r.get(f)) if f in ("prompt", "response") else f"<td>{cell(r.get(f))}</td>"
+            body = [[turns_cell(r) if f == "response" and "turns" in r else
+                     text_cell(r.get(f)) if f in ("prompt", "response") else f"<td>{cell(r.get(f))}</td>"
                      for f in fields] for r in rows]
             parts.append(f"<h3>{esc(run.label)}, step {step}</h3>" + table([esc(f) for f in fields], body))
     return "".join(parts)

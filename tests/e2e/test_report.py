@@ -1,6 +1,7 @@
 """`aligner report` from outside: an unreadable run, an unwritable --out and a usage mistake each give one error
 line, then the report opened in a real headless Chromium (Debian's `chromium`): it loads with no console error
-and no request beyond its own file, every chart has drawn data, and a screenshot is saved to
+and no request beyond its own file, every chart has drawn data, a multi-turn episode shows its turns, and a
+screenshot is saved to
 tests/artifacts/report.png. The page's contents on synthetic runs: tests/unit/test_report_html.py."""
 from __future__ import annotations
 
@@ -64,6 +65,11 @@ DRAWN = """() => [...document.querySelectorAll('.chart')].map(chart => ({
   title: chart.dataset.title,
   lines: [...chart.querySelectorAll('.scatterlayer path.js-line')].filter(p => (p.getAttribute('d') || '').length > 2).length,
   points: chart.querySelectorAll('.scatterlayer path.point').length}))"""
+# a multi-turn episode's turns as laid out: role, reward badge, text, and whether the box has a size on the page
+TURNS = """() => [...document.querySelectorAll('li.turn')].map(turn => ({
+  role: turn.querySelector('.role').innerText, text: turn.querySelector('.turn-text').innerText,
+  reward: (turn.querySelector('.turn-reward') || {}).innerText || null,
+  shown: turn.getBoundingClientRect().height > 0}))"""
 
 
 def chromium() -> str:
@@ -93,6 +99,7 @@ def open_in_chromium(html: Path, screenshot: Path) -> dict:
             page.goto(html.as_uri())
             page.wait_for_function("document.body.dataset.rendered === 'true'", timeout=20_000)
             seen["drawn"] = page.evaluate(DRAWN)
+            seen["turns"] = page.evaluate(TURNS)
             screenshot.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=True)
         finally:
@@ -111,3 +118,7 @@ def test_report_renders_in_headless_chromium(two_runs, tmp_path):
     assert [d["title"] for d in drawn] == expected
     assert len(expected) == 13  # 11 metric families + a timing stack per run
     assert [d["title"] for d in drawn if d["lines"] + d["points"] == 0] == []
+    assert seen["turns"] == [  # step 29's multi-turn episode, turn by turn
+        {"role": "assistant", "text": "<calc>47*58</calc>", "reward": None, "shown": True},
+        {"role": "tool", "text": "2726", "reward": None, "shown": True},
+        {"role": "assistant", "text": "2726", "reward": "reward 1", "shown": True}]

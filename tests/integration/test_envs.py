@@ -66,7 +66,8 @@ def test_token_in_token_out_over_random_episodes(engine, tokenizer):
     edge spaces): each assistant run is exactly what the engine generates alone from the trajectory before it
     with the turn's seed (tokens equal, log-probs within 1e-5); each observation run is exactly the chat
     template's tokens of what a replayed environment returned for the decoded turns; masks 1 / 0 and
-    log-probs 0 on observations; the score is the replay's reward; a second run is bitwise the same and a
+    log-probs 0 on observations; the score is the replay's reward, the transcript the replay's turns as text
+    (the rollouts files' `turns`); a second run is bitwise the same and a
     reversed batch gives the same tokens. Decoding and re-encoding would have drifted on some of them."""
     from aligner.generation import rng
 
@@ -89,7 +90,7 @@ def test_token_in_token_out_over_random_episodes(engine, tokenizer):
         assert len(e.response_ids) == len(e.response_mask) == len(e.logprobs)
         replay = Scripted()
         replay.reset(record)
-        turn, reward = 0, None
+        turn, reward, transcript = 0, None, []
         for start, stop, kind in segments(e.response_mask):
             run = e.response_ids[start:stop]
             if kind == 1:
@@ -97,12 +98,17 @@ def test_token_in_token_out_over_random_episodes(engine, tokenizer):
                                         seeds=[rng.derive_seed(e.seed, turn)])
                 assert alone.responses()[0] == run
                 assert max(abs(a - b) for a, b in zip(alone.response_logprobs()[0], e.logprobs[start:stop])) <= TOL
-                observation, reward, done = replay.step(tokenizer.decode(run, skip_special_tokens=True))
+                text = tokenizer.decode(run, skip_special_tokens=True)
+                observation, reward, done = replay.step(text)
+                transcript.append({"role": "assistant", "text": text, "reward": reward})
                 turn += 1
             else:
                 assert run == renderer.observation_ids(observation)
                 assert e.logprobs[start:stop] == [0.0] * len(run)
+                transcript += [{"role": "tool", "text": observation}] if isinstance(observation, str) else \
+                    [{"role": m["role"], "text": m["content"]} for m in observation]
         assert done and e.score == reward and e.turns == turn == record["tool_turns"] + 1
+        assert e.transcript == transcript  # the turns as text: what the environment got and gave, in order
         assert e.tool_calls == record["tool_turns"]
         full = e.prompt_ids + e.response_ids
         drifted += tokenizer(tokenizer.decode(full), add_special_tokens=False)["input_ids"] != full
@@ -216,6 +222,8 @@ def test_episode_samples_carry_the_mask_the_score_and_the_engines_log_probs(engi
     for sample in samples:
         mask = sample.response_token_mask()
         assert sample.version == 4 and 0 in mask and sample.score is not None and sample.valid
+        assert sample.episode.turns == 3 and sample.episode.tool_calls == 2 and sample.episode.end == "env"
+        assert [t["role"] for t in sample.episode.transcript].count("assistant") == 3
         ids = list(sample.prompt.ids) + sample.response_ids
         with torch.no_grad():
             logits = engine.gpt(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, :, :len(tokenizer)]

@@ -4,8 +4,10 @@ a half-written last line, and a 150-step GRPO run written cheaply. The command f
 real browser: tests/e2e/test_report.py."""
 from __future__ import annotations
 
+import html
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -55,17 +57,28 @@ def make_run(root: Path, name: str, rows: list[dict], config: dict | None = None
 def sample(step: int, k: int, prompt: str = "2+2=") -> dict:
     return {"prompt": prompt, "response": f"answer {step}.{k}", "score": 0.5, "reward": 0.5, "advantage": 0.1 * k,
             "valid": True, "is_end": k % 2 == 0}
+def episode_sample(step: int) -> dict:
+    """A multi-turn rollout row as online/rl.py writes it: the episode's turns as text, and how it ended."""
+    return {"prompt": "What is 47*58?", "response": "<calc>47*58</calc>tool2726 2726", "score": 1.0, "reward": 1.0,
+            "advantage": 0.5, "valid": True, "is_end": True, "version": step - 1,
+            "turns": [{"role": "assistant", "text": "<calc>47*58</calc>", "reward": None},
+                      {"role": "tool", "text": "2726"}, {"role": "assistant", "text": "2726", "reward": 1.0}],
+            "end": "env", "error": ""}
+
+
 GRPO_CONFIG = {"algorithm": {"advantage": "grpo", "kl": {"coef": 0.01}}, "optim": {"lr": 1e-5}, "trainer": {"seed": 1}}
 PPO_CONFIG = {"algorithm": {"advantage": "gae", "kl": {"coef": 0.02}}, "optim": {"lr": 1e-5}, "trainer": {"seed": 1},
               "critic": {"url": None}}
 
 
 def write_two_runs(root: Path) -> tuple[Path, Path]:
-    """A GRPO run (validation at step 0, a hostile rollout) and a PPO run under the same directory name."""
+    """A GRPO run (validation at step 0, a hostile rollout, a multi-turn episode at step 29) and a PPO run under
+    the same directory name."""
     grpo_rows = [{"step": 0, "val/reward/mean": 0.05, "val/math/mean": 0.1}]
     grpo_rows += [{**grpo_row(s), **({"val/reward/mean": 0.1 + 0.01 * s} if s % 5 == 0 else {})} for s in range(1, 31)]
     grpo = make_run(root / "a", "rl", grpo_rows, GRPO_CONFIG,
-                    {s: [sample(s, k, HOSTILE if s == 30 else "2+2=") for k in range(4)] for s in range(1, 31)})
+                    {s: [sample(s, k, HOSTILE if s == 30 else "2+2=") for k in range(4)] + [episode_sample(s)] * (s == 29)
+                     for s in range(1, 31)})
     ppo = make_run(root / "b", "rl", [ppo_row(s) for s in range(1, 21)], PPO_CONFIG,
                    {20: [sample(20, k) for k in range(2)]})
     return grpo, ppo
@@ -117,6 +130,28 @@ def test_hostile_text_is_escaped(two_runs, tmp_path):
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "\\u003cscript\\u003ealert(1)\\u003c/script\\u003e" in page  # the metric name in the JSON block
     assert "a/rl, step 30" in page and "a/rl, step 28" in page and "a/rl, step 27" not in page  # the latest 3
+
+
+TURN = re.compile(r'<li class="turn( assistant)?" data-role="([^"]*)"><span class="role">[^<]*</span>'
+                  r'(?:<span class="turn-reward">reward ([^<]*)</span>)?<div class="turn-text">([^<]*)</div></li>')
+
+
+def test_a_multi_turn_episode_is_shown_turn_by_turn(tmp_path):
+    """A rollout row with `turns` shows them in order (role, the reward of an assistant turn, the text, escaped)
+    in place of its flat response, and an environment's error under them; single-turn rows beside it as before."""
+    failed = {**episode_sample(3), "turns": [{"role": "assistant", "text": "<calc>1/0</calc>", "reward": None}],
+              "end": "env_error", "error": "ZeroDivisionError: division by zero", "score": 0.0}
+    run = make_run(tmp_path, "agent", [grpo_row(s) for s in range(1, 4)], GRPO_CONFIG,
+                   {3: [episode_sample(3), failed, sample(3, 0)]})
+    page = report.write_report([run], tmp_path / "report.html").read_text()
+    header, *rows = re.findall(r"<tr>(.*?)</tr>", page.split("<h2>Rollout samples</h2>")[1])
+    assert len(rows) == 3 and "<th>response</th>" in header and "<th>end</th>" in header
+    turns = [(role, reward, html.unescape(text)) for _, role, reward, text in TURN.findall(rows[0])]
+    assert turns == [("assistant", "", "<calc>47*58</calc>"), ("tool", "", "2726"), ("assistant", "1", "2726")]
+    assert "<calc>47*58</calc>tool2726 2726" not in html.unescape(rows[0])  # the flat response is not repeated
+    assert [t[1] for t in TURN.findall(rows[1])] == ["assistant"]
+    assert "environment error: ZeroDivisionError: division by zero" in rows[1] and "<td>env_error</td>" in rows[1]
+    assert 'class="turn' not in rows[2] and '<td class="text">answer 3.0</td>' in rows[2]  # single-turn: as today
 
 
 def test_cli_writes_the_default_file(two_runs, capsys):

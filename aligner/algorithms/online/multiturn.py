@@ -7,7 +7,7 @@ batched turns, and the first rank of the group runs the environments (its `EnvPo
 results over the group, so the ranks never disagree about an episode, whatever a tool's timing. A sample is
 an episode: its response is every turn and observation, its `token_mask` marks the engine's tokens, and its
 score is the environment's (so the reward functions do not score it again: `Environment.score` already
-applied them to the final answer in the built-ins).
+applied them to the final answer in the built-ins), and its `episode` the turns as text for the rollouts files.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def episode_samples(engine, tokenizer, prompts: list, seeds: list[int], params: 
         if e.prompt_ids != list(prompt.ids):  # reset gave a first observation: the episode's own prompt
             prompt = type(prompt)(e.prompt_ids, tokenizer.decode(e.prompt_ids), prompt.fields, prompt.source)
         samples.append(Sample(prompt, e.response_ids, e.logprobs, e.is_end, score=e.score, version=version,
-                              token_mask=e.response_mask))
+                              token_mask=e.response_mask, episode=e.summary()))
     return samples, metrics
 
 

@@ -165,6 +165,9 @@ class RLTrainer(RolloutTrainer):
         texts = self.tokenizer.batch_decode([s.response_ids for s in shown], skip_special_tokens=True)
         with open(path, "w") as f:
             for sample, text in zip(shown, texts):
-                f.write(json.dumps({"prompt": sample.prompt.text, "response": text,
-                                    "score": sample.score, "reward": sample.reward, "advantage": sample.advantage,
-                                    "valid": sample.valid, "is_end": sample.is_end, "version": sample.version}) + "\n")
+                row = {"prompt": sample.prompt.text, "response": text, "score": sample.score, "reward": sample.reward,
+                       "advantage": sample.advantage, "valid": sample.valid, "is_end": sample.is_end,
+                       "version": sample.version}
+                if sample.episode is not None:  # a multi-turn episode: its turns as text, and how it ended
+                    row.update(turns=sample.episode.transcript, end=sample.episode.end, error=sample.episode.error)
+                f.write(json.dumps(row) + "\n")

@@ -32,6 +32,7 @@ class Sample:
     # a multi-turn episode's (aligner/envs/episodes.py): 1 on the engine's tokens, 0 on the environment's
     # observations between turns; None = every response token is the engine's (single-turn)
     token_mask: list[int] | None = None
+    episode: object = None  # a multi-turn sample's `aligner.envs.episodes.Summary`: turns, ends, transcript
 
     def response_token_mask(self) -> list[int]:
         """1 on the response tokens the loss trains (the engine's), 0 on observation tokens."""
