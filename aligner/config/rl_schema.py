@@ -342,9 +342,6 @@ def validate_env(cfg) -> None:
     if e.name is not None and cfg.algorithm.advantage == "gae":
         raise ConfigError("env.name: multi-turn episodes train with group advantages (grpo, reinforce); PPO's critic "
                           "does not value them yet")
-    if e.name is not None and cfg.generation.placement == "separate":
-        raise ConfigError("env.name: rollout workers (generation.placement=separate) do not run episodes yet; use "
-                          "generation.placement=colocated")
 
 
 def _validate_critic(cfg) -> None:

@@ -12,12 +12,15 @@ and ALIGNER_WORKER_PORT (`slurm_worker_env`).
 It serves the trainer's messages in order, until told to stop:
   weights   {version}, then per bucket {entries: [(HF name, shape, dtype), ...]} and one bridge broadcast
             (the bucket's tensors flattened into one), then {entries: None}: loaded into this rank's TP shard
-  generate  {step, version, prompts, seeds, params}: every TP rank generates the same batch; TP rank 0
-            answers {step, version, responses, logprobs, is_end, busy_s, wall_s}
+  generate  {step, version, prompts, seeds, params[, records]}: every TP rank generates the same batch; TP rank 0
+            answers {step, version, busy_s, wall_s} and the generator's lists: {responses, logprobs, is_end}
+            (`single_turn`), or a multi-turn run's episodes (`main`'s generator from its entry `worker_main`:
+            algorithms/online/multiturn.py `worker_episodes`)
   stop      {}
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -28,6 +31,7 @@ from omegaconf import OmegaConf
 
 from aligner.config import load_resolved
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
+from aligner.errors import UserError
 from aligner.generation.backends import build_engine
 from aligner.generation.weights import load_weight_stream
 from aligner.models.policy import build_policy
@@ -68,11 +72,27 @@ def watch_trainer(pid: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def main(argv: list[str]) -> None:
+@contextlib.contextmanager
+def single_turn(cfg, engine, tokenizer):
+    """The answer to a generate order: one batched `engine.generate` of its prompts."""
+    def generate(message: dict) -> dict:
+        rollout = engine.generate(message["prompts"], message["params"], seeds=message["seeds"])
+        return {"responses": rollout.responses(), "logprobs": rollout.response_logprobs(),
+                "is_end": rollout.is_end.tolist()}
+
+    yield generate
+
+
+def main(argv: list[str], generator=single_turn) -> None:
+    """generator(cfg, engine, tokenizer): a context manager giving the function that answers a generate order
+    with the answer's lists (joined over the workers' shares by the trainer), closed when the worker stops."""
     if "ALIGNER_TRAINER_PID" in os.environ:  # under Slurm the trainer is on another node: srun ends the workers
         watch_trainer(int(os.environ["ALIGNER_TRAINER_PID"]))
     cfg = load_resolved(argv[0], argv[1])
     g = cfg.generation
+    if generator is single_turn and cfg.get("env") is not None and cfg.env.name is not None:
+        raise UserError(f"env.name={cfg.env.name}: this rollout worker was started with the single-turn entry "
+                        f"{__name__}:main", fix="start it with aligner.algorithms.online.multiturn:worker_main")
     if "ALIGNER_WORKER_HOSTS" in os.environ:
         os.environ.update(slurm_worker_env(os.environ, g.tensor_model_parallel_size))
     distributed.init_process_group()
@@ -92,13 +112,15 @@ def main(argv: list[str]) -> None:
     try:
         # no flush after `stop`: an answer the trainer will not read (a stopped run's orders ahead) never
         # completes, and the trainer may be gone already (under Slurm nothing waits for this process)
-        serve(bridge, model, model_cfg, vocab_size, engine, answers=ps.get_tensor_model_parallel_rank() == 0)
+        with generator(cfg, engine, tokenizer) as generate:
+            serve(bridge, model, model_cfg, vocab_size, generate, engine,
+                  answers=ps.get_tensor_model_parallel_rank() == 0)
     finally:
         distributed.shutdown()
 
 
-def serve(bridge: Bridge, model, model_cfg, vocab_size: int, engine, answers: bool) -> None:
-    """The trainer's messages, in order, until `stop` (module doc)."""
+def serve(bridge: Bridge, model, model_cfg, vocab_size: int, generate, engine, answers: bool) -> None:
+    """The trainer's messages, in order, until `stop` (module doc); `generate(order)` answers a generate order."""
     version, since = None, time.perf_counter()
     while True:
         message = bridge.recv_object(0)
@@ -114,12 +136,11 @@ def serve(bridge: Bridge, model, model_cfg, vocab_size: int, engine, answers: bo
                 raise RuntimeError(f"asked for step {message['step']}'s rollouts with weights version "
                                    f"{message['version']}, holding {version}")
             start = time.perf_counter()
-            rollout = engine.generate(message["prompts"], message["params"], seeds=message["seeds"])
+            answer = generate(message)
             busy = time.perf_counter() - start
             if answers:
-                bridge.send_object({"step": message["step"], "version": version, "responses": rollout.responses(),
-                                    "logprobs": rollout.response_logprobs(), "is_end": rollout.is_end.tolist(),
-                                    "busy_s": busy, "wall_s": time.perf_counter() - since}, 0)
+                bridge.send_object({"step": message["step"], "version": version, **answer, "busy_s": busy,
+                                    "wall_s": time.perf_counter() - since}, 0)
             since = time.perf_counter()
         else:
             raise RuntimeError(f"unknown message from the trainer: {kind!r}")

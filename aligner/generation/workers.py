@@ -34,9 +34,10 @@ class RolloutWorkerLost(UserError):
 
 class RolloutWorkers:
     """Global rank 0: the worker processes and the bridge. `config_path`: the run's resolved config.yaml;
-    `command`: its schema's name (grpo, reinforce, ppo); logs go to `log_dir`/rollout_worker_<i>.log."""
+    `command`: its schema's name (grpo, reinforce, ppo); logs go to `log_dir`/rollout_worker_<i>.log; `entry`:
+    the workers' module:function (multi-turn runs: their own, algorithms/online/multiturn.py)."""
 
-    def __init__(self, cfg, config_path: str | Path, command: str, log_dir: str | Path):
+    def __init__(self, cfg, config_path: str | Path, command: str, log_dir: str | Path, entry: str = ENTRY):
         """Starts the worker processes; `join` then waits for them."""
         g = cfg.generation
         self.count, self.tp = int(g.workers), int(g.tensor_model_parallel_size)
@@ -65,7 +66,7 @@ class RolloutWorkers:
                     env["CUDA_VISIBLE_DEVICES"] = str((first_gpu + worker * self.tp + rank) % gpus)
                 log = open(self.log_path(worker, rank), "w")
                 self.logs.append(log)
-                self.procs.append(popen([sys.executable, "-m", "aligner.launch.worker", ENTRY, str(config_path),
+                self.procs.append(popen([sys.executable, "-m", "aligner.launch.worker", entry, str(config_path),
                                          command], env=env, stdout=log, stderr=subprocess.STDOUT))
         self.address, self.bridge = address, None
         self.busy: dict[int, float] = {}  # worker -> its busy fraction over its last order
@@ -144,27 +145,31 @@ class RolloutWorkers:
                 self.send_bucket(bucket)
         self._tell_all({"entries": None})
 
-    def order(self, step: int, version: int, prompts: list[list[int]], seeds: list[int], params) -> None:
-        """Rank 0: step `step`'s rollouts from weights `version`, the prompts split over the workers in
-        contiguous shares (worker w takes the w-th share)."""
+    def order(self, step: int, version: int, prompts: list[list[int]], seeds: list[int], params,
+              records: list[dict] | None = None) -> None:
+        """Rank 0: step `step`'s rollouts from weights `version`, the prompts (and a multi-turn run's records)
+        split over the workers in contiguous shares (worker w takes the w-th share)."""
         share = -(-len(prompts) // self.count)
         for worker in range(self.count):
             part = slice(worker * share, (worker + 1) * share)
             message = {"kind": "generate", "step": step, "version": version, "prompts": prompts[part],
-                       "seeds": seeds[part], "params": params}
+                       "seeds": seeds[part], "params": params, "records": records and records[part]}
             for rank in range(self.tp):
                 bridge_rank = 1 + worker * self.tp + rank
                 self._call(self.bridge.send_object, message, bridge_rank, rank=bridge_rank)
 
     def results(self, step: int) -> dict:
-        """Rank 0: step `step`'s rollouts, the workers' shares joined: {responses, logprobs, is_end, version}."""
-        joined = {"responses": [], "logprobs": [], "is_end": [], "busy_s": 0.0}
+        """Rank 0: step `step`'s rollouts, the workers' shares joined: their lists ({responses, logprobs,
+        is_end}, or a multi-turn run's {episodes, env_s}) in worker order, busy_s summed, and version."""
+        joined = {"busy_s": 0.0}
         for worker, rank in enumerate(self._leaders()):
             answer = self._call(self.bridge.recv_object, rank, rank=rank)
             if answer["step"] != step:
                 raise RuntimeError(f"rollout worker {worker} answered step {answer['step']}, expected {step}")
-            for key in joined:
-                joined[key] += answer[key]  # lists joined, seconds summed
+            for key, value in answer.items():
+                if isinstance(value, list):
+                    joined[key] = joined.get(key, []) + value
+            joined["busy_s"] += answer["busy_s"]
             joined["version"] = answer["version"]
             self.busy[worker] = answer["busy_s"] / max(answer["wall_s"], 1e-9)
         return joined

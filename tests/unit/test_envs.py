@@ -82,7 +82,6 @@ GRPO = ["data.train_path=prompts.jsonl", "tokenizer.path=tok", "model.pretrained
     (["env.name=calculator", "env.max_total_tokens=100000"],
      r"env.max_total_tokens=100000 must .* fit model.seq_length"),
     (["env.name=calculator", "algorithm.overlong.buffer=4"], r"algorithm.overlong.buffer=0 with env.name"),
-    (["env.name=calculator", "generation.placement=separate"], r"env.name: rollout workers .* do not run episodes"),
     (["env.max_turnz=2"], r"max_turnz"),
 ])
 def test_env_settings_that_cannot_run_are_refused_in_one_line(overrides, fragment):
@@ -92,6 +91,14 @@ def test_env_settings_that_cannot_run_are_refused_in_one_line(overrides, fragmen
     with pytest.raises(ConfigError, match=fragment) as error:
         load_config("grpo", GRPO + overrides, world_size=1)
     assert "\n" not in str(error.value)
+
+
+def test_an_environment_composes_with_separate_rollout_workers():
+    from aligner.config import load_config
+
+    cfg = load_config("grpo", GRPO + ["env.name=calculator", "generation.placement=separate",
+                                      "algorithm.async.max_lag=1"], world_size=1)
+    assert cfg.env.name == "calculator" and cfg.generation.placement == "separate"
 
 
 def test_ppo_refuses_an_environment():

@@ -68,3 +68,64 @@ def test_observation_tokens_get_no_gradient_and_stay_out_of_the_mismatch(aggrega
     assert torch.allclose(report["token_prob_error"] / 9, (trainer - engine).abs().exp().mean())
     k3 = torch.expm1(trainer - engine) - (trainer - engine)
     assert torch.allclose(report["mismatch_kl"] / 9, k3.mean())
+
+
+def test_dynamic_sampling_episode_metrics_cover_the_steps_batch():
+    """With DAPO's refills, a multi-turn step's episode/* and fraction/* metrics are over the episodes its batch
+    trains (the informative groups, whichever generate made them; not only the last refill's), and timing/env_s
+    adds up every generate's environment time. The trainer is a stub around RLTrainer's own rollouts and
+    finish_step; generation returns hand-made episodes."""
+    import time
+
+    from aligner.algorithms.online.rl import RLTrainer
+    from aligner.algorithms.online.rollouts import Timings
+    from aligner.envs.episodes import Summary
+    from aligner.generation.types import SamplingParams
+    from tests.conftest import init_single_process
+
+    init_single_process()  # scores are shared with a broadcast, as on every rank of a run
+
+    def episode(score, turns, end="env"):
+        summary = Summary(turns, turns - 1, end, "", [{"role": "assistant", "text": "x", "reward": score}] * turns)
+        return Sample(SimpleNamespace(ids=[1], text="?", fields={}), [5] * turns, [-0.1] * turns, True, score=score,
+                      token_mask=[1] * turns, episode=summary)
+
+    first = [episode(1.0, 1), episode(1.0, 1), episode(0.0, 2), episode(2.0, 3)]  # group 1 equal: dropped
+    refill = [episode(0.0, 3, "env_error"), episode(1.0, 3), episode(1.0, 4), episode(1.0, 4)]  # group 4 equal
+    trainer = object.__new__(RLTrainer)
+    a = trainer.a = OmegaConf.structured(RLAlgorithmConfig)
+    a.prompts_per_step, a.num_generations = 2, 2
+    a.dynamic_sampling.enabled, a.dynamic_sampling.max_refills = True, 1
+    trainer.multiturn, trainer.scorer, trainer.separate, trainer.step = True, object(), None, 0
+    trainer.params = SamplingParams(max_new_tokens=8)
+    generates = iter([first, refill])
+
+    def generate(prompts):
+        trainer.env_s += 1.5
+        return next(generates)
+
+    trainer.generate, trainer.next_prompts, trainer.write_rollouts = generate, lambda: [], lambda samples: None
+    trainer.sampler = SimpleNamespace(state_dict=lambda: {"consumed_samples": 8})
+    samples, _, dropped, seen = trainer.rollouts(Timings())
+    assert samples == first[2:] + refill[:2] and (dropped, seen) == (2, 4)
+    metrics = trainer.finish_step({}, Timings(), time.perf_counter(), samples)
+    assert metrics["episode/turns_mean"] == (2 + 3 + 3 + 3) / 4 and metrics["episode/tool_calls_mean"] == 7 / 4
+    assert metrics["fraction/env_errors"] == 0.25 and metrics["timing/env_s"] == 3.0
+
+
+def test_the_slurm_async_job_refuses_episodes_in_one_line(monkeypatch):
+    """slurm/rl_async.sbatch's srun starts the single-turn worker entry: the trainer refuses env.name there before
+    joining them (a worker that failed instead would look lost, exit 75, and the job would requeue forever)."""
+    from aligner.algorithms.online.setup import start_rollout_workers
+    from aligner.config import load_config
+    from aligner.errors import ConfigError
+    from tests.conftest import init_single_process
+    from tests.unit.test_envs import GRPO
+
+    init_single_process()
+    cfg = load_config("grpo", GRPO + ["env.name=calculator", "generation.placement=separate"], world_size=1)
+    monkeypatch.setenv("ALIGNER_BRIDGE", "127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"^slurm/rl_async.sbatch starts single-turn rollout workers, env.name, "
+                                          r"run multi-turn episodes with generation.placement=colocated") as error:
+        start_rollout_workers(cfg)
+    assert "\n" not in str(error.value)

@@ -63,7 +63,7 @@ class RolloutTrainer(Trainer):
         self.drawn_indices: list[int] = []  # their indices in the prompt set
         self.multiturn = cfg.get("env") is not None and cfg.env.name is not None  # episodes with an environment
         self.env_pool = multiturn.start_env_pool(cfg) if self.multiturn else None
-        self.episode_metrics: dict = {}  # the last multi-turn generate's episode/* metrics
+        self.env_s = 0.0  # the environments' seconds in this step's generates (dynamic sampling's refills too)
         separate = cfg.generation.get("placement", "colocated") == "separate"
         self.separate = SeparateRollouts(self, workers, algorithm["async"].max_lag) if separate else None
 
@@ -75,7 +75,8 @@ class RolloutTrainer(Trainer):
         written. The last thing every online step does."""
         timings["step"] = time.perf_counter() - start
         metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
-        metrics.update(self.episode_metrics)
+        if self.multiturn:  # over the episodes the step trains (its batch), the environments' time over all
+            metrics.update(multiturn.step_metrics(samples, self.env_s))
         generated = sum(len(s.response_ids) for s in samples)
         seconds = timings["generate"] if self.separate is None else self.separate.worker_seconds
         metrics["throughput/generated_tokens_per_s"] = generated / max(seconds, 1e-9)
@@ -107,6 +108,7 @@ class RolloutTrainer(Trainer):
     def step_samples(self, timings: Timings) -> list[Sample]:
         """The step's samples: generated here on the live weights, or the separate workers' on the lag
         schedule (online/separate.py)."""
+        self.env_s = 0.0
         if self.separate is not None:
             return self.separate.samples(timings)
         with timings("generate"):
@@ -129,9 +131,10 @@ class RolloutTrainer(Trainer):
         n = self.a.num_generations if generations is None else generations
         first_id = self.first_sample_id if first_id is None else first_id
         if self.multiturn:
-            samples, self.episode_metrics = multiturn.generate_episodes(
+            samples, metrics = multiturn.generate_episodes(
                 self.engine, self.tokenizer, prompts, n, first_id, params, self.cfg.env, self.env_pool, self.step,
                 self.cfg.model.seq_length)
+            self.env_s += metrics["timing/env_s"]
             return samples
         dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
@@ -232,7 +235,8 @@ class RolloutTrainer(Trainer):
                    "val/fraction/unscored": 1 - len(scores) / len(samples),
                    "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples)}
         if self.multiturn:  # the validation episodes' turns, tool calls and ends (val/episode/*, val/fraction/*)
-            metrics.update({f"val/{k}": v for k, v in self.episode_metrics.items() if not k.startswith("timing/")})
+            metrics.update({f"val/{k}": v for k, v in multiturn.step_metrics(samples, 0.0).items()
+                            if not k.startswith("timing/")})
         metrics.update(self.validation_functions(samples))
         return metrics
 
