@@ -76,9 +76,9 @@ def write_two_runs(root: Path) -> tuple[Path, Path]:
     the same directory name."""
     grpo_rows = [{"step": 0, "val/reward/mean": 0.05, "val/math/mean": 0.1}]
     grpo_rows += [{**grpo_row(s), **({"val/reward/mean": 0.1 + 0.01 * s} if s % 5 == 0 else {})} for s in range(1, 31)]
-    grpo = make_run(root / "a", "rl", grpo_rows, GRPO_CONFIG,
-                    {s: [sample(s, k, HOSTILE if s == 30 else "2+2=") for k in range(4)] + [episode_sample(s)] * (s == 29)
-                     for s in range(1, 31)})
+    rollouts = {s: [sample(s, k, HOSTILE if s == 30 else "2+2=") for k in range(4)] for s in range(1, 31)}
+    rollouts[29].append(episode_sample(29))
+    grpo = make_run(root / "a", "rl", grpo_rows, GRPO_CONFIG, rollouts)
     ppo = make_run(root / "b", "rl", [ppo_row(s) for s in range(1, 21)], PPO_CONFIG,
                    {20: [sample(20, k) for k in range(2)]})
     return grpo, ppo
