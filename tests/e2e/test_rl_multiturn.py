@@ -6,11 +6,13 @@ sampling's refills, episodes on the trainer's engine) it trains on the schedule.
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 
 import pytest
 
-from tests.conftest import start_cli, write_jsonl_lines
-from tests.e2e.test_rl_async import KEYS, SEPARATE, kill_when_logged, versions
+from tests.conftest import job_field, read_metrics, start_cli, write_jsonl_lines
+from tests.e2e.test_rl_async import KEYS, SEPARATE, kill_when_logged, submit_async_job, versions
 from tests.e2e.test_rl_loop import grpo, grpo_args
 
 EPISODES = ("env.name=tests.env_fixtures:Scripted", "env.max_turns=3", "env.concurrency=2",
@@ -82,3 +84,23 @@ def test_lagged_workers_run_episodes_with_dynamic_sampling(tiny_assets, rl_asset
     # the workers' episodes are from version max(0, t-2), the refills' from the live t-1
     assert [versions(run_dir, t) <= {max(0, t - 2), t - 1} for t in (1, 2, 3)] == [True] * 3
     assert all("turns" in row for step in (1, 2, 3) for row in rollout_rows(run_dir, step))
+
+
+def test_episodes_on_workers_of_the_slurm_job_equal_the_colocated_run(tiny_assets, rl_assets, args, straight, slurm,
+                                                                      tmp_path):
+    """slurm/rl_async.sbatch's plan gives srun the multi-turn workers' entry: at lag 0 the job's run equals the
+    colocated one (trainer and worker one task each)."""
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    job = submit_async_job(slurm, out, grpo_args(tiny_assets, rl_assets, run_dir, *args, "generation.workers=1")[1:])
+    try:
+        deadline = time.monotonic() + 300
+        while (state := job_field(slurm, job, "JobState")) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            assert time.monotonic() < deadline, state
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], env=slurm, capture_output=True)
+    assert state == "COMPLETED", out.read_text()[-4000:]
+    assert len(read_metrics(run_dir)) == 4
+    for ours, ref in zip(read_metrics(run_dir), straight[1]):
+        for key in KEYS + EPISODE_KEYS:
+            assert ours.get(key) == ref.get(key), (ours["step"], key)

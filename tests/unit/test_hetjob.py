@@ -86,10 +86,13 @@ def test_the_async_plan_places_the_bridge_on_the_trainer_and_each_worker_on_its_
     assert (p["bridge"], p["bridge_size"], p["bridge_device"]) == (f"n1:{ports['bridge']}", "9", "cuda")
     assert p["worker_hosts"] == "n3,n3,n4,n4" and p["worker_port"] == str(ports["workers"])
     assert p["worker_command"] == "grpo" and p["worker_logs"] == f"{tmp_path}/logs/rollout_worker_task_%t.log"
+    assert p["worker_entry"] == "aligner.generation.rollout_worker:main"
     written = OmegaConf.load(p["worker_config"])  # what the workers load, written before they start
     assert (written.generation.placement, written.generation.workers, written.algorithm["async"].max_lag) == \
         ("separate", 4, 1)
     assert max(ports.values()) + 255 < 32768 and ports == async_hetjob.ports(77 + 16000) != async_hetjob.ports(78)
+    episodes = _async_plan(tiny_assets, tmp_path, "env.name=calculator")  # workers that run whole episodes
+    assert episodes["worker_entry"] == "aligner.algorithms.online.multiturn:worker_main"
     no_gpus = ASYNC.replace("TresPerNode=gres:gpu:4", "")
     assert _async_plan(tiny_assets, tmp_path, lines=no_gpus)["bridge_device"] == "cpu"
 

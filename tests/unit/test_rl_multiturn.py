@@ -111,21 +111,3 @@ def test_dynamic_sampling_episode_metrics_cover_the_steps_batch():
     metrics = trainer.finish_step({}, Timings(), time.perf_counter(), samples)
     assert metrics["episode/turns_mean"] == (2 + 3 + 3 + 3) / 4 and metrics["episode/tool_calls_mean"] == 7 / 4
     assert metrics["fraction/env_errors"] == 0.25 and metrics["timing/env_s"] == 3.0
-
-
-def test_the_slurm_async_job_refuses_episodes_in_one_line(monkeypatch):
-    """slurm/rl_async.sbatch's srun starts the single-turn worker entry: the trainer refuses env.name there before
-    joining them (a worker that failed instead would look lost, exit 75, and the job would requeue forever)."""
-    from aligner.algorithms.online.setup import start_rollout_workers
-    from aligner.config import load_config
-    from aligner.errors import ConfigError
-    from tests.conftest import init_single_process
-    from tests.unit.test_envs import GRPO
-
-    init_single_process()
-    cfg = load_config("grpo", GRPO + ["env.name=calculator", "generation.placement=separate"], world_size=1)
-    monkeypatch.setenv("ALIGNER_BRIDGE", "127.0.0.1:1")
-    with pytest.raises(ConfigError, match=r"^slurm/rl_async.sbatch starts single-turn rollout workers, env.name, "
-                                          r"run multi-turn episodes with generation.placement=colocated") as error:
-        start_rollout_workers(cfg)
-    assert "\n" not in str(error.value)

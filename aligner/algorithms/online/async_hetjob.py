@@ -8,7 +8,8 @@ will see it (with generation.placement=separate), checks the worker count and la
 tasks and the trainer's parallel sizes against component 0's, writes the workers' config
 (`<run_dir>/logs/rollout_workers.yaml`), and prints shell assignments for the script: `trainer_args`
 (appended to the user's overrides), the trainer's rendezvous, the bridge (address on the trainer's first
-host, size, device) and each worker's rendezvous host and first port (generation/rollout_worker.py
+host, size, device), the workers' entry point (multi-turn with env.name) and each worker's rendezvous host
+and first port (generation/rollout_worker.py
 `slurm_worker_env`). Ports come from the job id, so a requeued job gets the same ones. A wrong layout exits 2
 with one line naming the component and the key.
 """
@@ -63,7 +64,7 @@ def worker_hosts(workers: Component, tensor_parallel: int, hosts: list[str]) -> 
 def plan(job_id: int, algorithm: str, overrides: list[str], scontrol_lines: str,
          hosts_of=hostnames) -> dict[str, list[str] | str]:
     # setup imports torch and megatron (seconds): this check runs before the job's ranks start
-    from aligner.algorithms.online.setup import save_worker_config, worker_schema
+    from aligner.algorithms.online.setup import save_worker_config, worker_entry, worker_schema
 
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"slurm/rl_async.sbatch trains {' or '.join(ALGORITHMS)}, got {algorithm!r} as its first "
@@ -86,6 +87,7 @@ def plan(job_id: int, algorithm: str, overrides: list[str], scontrol_lines: str,
             "worker_hosts": ",".join(worker_hosts(workers, cfg.generation.tensor_model_parallel_size,
                                                   hosts_of(workers.nodelist))),
             "worker_port": str(p["workers"]), "worker_config": str(config), "worker_command": worker_schema(cfg),
+            "worker_entry": worker_entry(cfg),
             "worker_logs": str(config.parent / "rollout_worker_task_%t.log")}
 
 

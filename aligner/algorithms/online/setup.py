@@ -15,7 +15,6 @@ from aligner.algorithms.online import multiturn
 from aligner.algorithms.shared.reference import Reference, build_reference
 from aligner.algorithms.shared.sequence_trainer import flat_packing
 from aligner.data.prompts import load_prompt_dataset
-from aligner.errors import ConfigError
 from aligner.data.tokenizer import load_tokenizer, model_vocab_size
 from aligner.generation.backends import build_engine
 from aligner.generation.types import GenerationBackend
@@ -93,15 +92,15 @@ def start_rollout_workers(cfg) -> RolloutWorkers | None:
     builds its model), with the run's config beside their logs."""
     if cfg.generation.get("placement", "colocated") != "separate" or dist.get_rank() != 0:
         return None
-    episodes = cfg.get("env") is not None and cfg.env.name is not None  # workers that run whole episodes
     if os.environ.get("ALIGNER_BRIDGE"):  # srun started the workers on the config the job's plan wrote
-        if episodes:  # its workers' entry is the single-turn one: refused here, not a lost worker (a requeue)
-            raise ConfigError("slurm/rl_async.sbatch starts single-turn rollout workers", "env.name",
-                              f"run multi-turn episodes with generation.placement=colocated there (or start the "
-                              f"workers with {multiturn.WORKER_ENTRY})")
         return RolloutWorkers(cfg, worker_config_path(cfg), worker_schema(cfg), worker_config_path(cfg).parent)
     return RolloutWorkers(cfg, save_worker_config(cfg), worker_schema(cfg), worker_config_path(cfg).parent,
-                          entry=multiturn.WORKER_ENTRY if episodes else ENTRY)
+                          entry=worker_entry(cfg))
+
+
+def worker_entry(cfg) -> str:
+    """The workers' entry point: with env.name, workers that run whole episodes."""
+    return multiturn.WORKER_ENTRY if cfg.get("env") is not None and cfg.env.name is not None else ENTRY
 
 
 def worker_config_path(cfg) -> Path:
