@@ -335,6 +335,23 @@ def wait_for_requeued_completion(env, job: str, out, timeout: float) -> str:
     return out.read_text()
 
 
+def requeued_job_log(env, job: str, run_dir, out, step: int, stop) -> str:
+    """JOB's output once it completed after one requeue: `stop()` (what makes the job stop at a checkpoint) as soon
+    as RUN_DIR has `step` metrics rows, the job queued or running meanwhile; the job is cancelled whatever happens."""
+    try:
+        wait_for_step(run_dir, step, lambda: job_field(env, job, "JobState") in ("PENDING", "CONFIGURING", "RUNNING"))
+        stop()
+        return wait_for_requeued_completion(env, job, out, timeout=600)
+    finally:
+        subprocess.run(["scancel", job], env=env, capture_output=True)
+
+
+def signal_usr1(env, job: str) -> None:
+    """SIGUSR1 to every step of JOB, as Slurm sends it before the time limit."""
+    signalled = subprocess.run(["scancel", "--signal=USR1", job], env=env, capture_output=True, text=True)
+    assert signalled.returncode == 0, signalled.stderr
+
+
 def sigusr1_stop_step(log: str) -> int:
     """The step a run said it stopped after on SIGUSR1 (aligner.runtime.preemption.Preempted)."""
     return next(int(line.rsplit("step", 1)[1].split(",")[0]) for line in log.splitlines()

@@ -45,6 +45,13 @@ def check_one_task_per_gpu(name: str, comp: Component) -> None:
                           f"each: give it one task per GPU (--ntasks-per-node={comp.gpus_per_node})")
 
 
+def check_tasks_divide(name: str, comp: Component, size: int, keys: str) -> None:
+    """A component's tasks hold whole model-parallel groups of `size` ranks (`keys`: the config keys of that size)."""
+    if comp.tasks % size:
+        raise ConfigError(f"the {name} (component {comp.offset}) has {comp.tasks} tasks, not a multiple of {keys} = "
+                          f"{size}: give component {comp.offset} more tasks or nodes")
+
+
 def hostnames(nodelist: str) -> list[str]:
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
     return out.stdout.split()

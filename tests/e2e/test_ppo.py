@@ -20,8 +20,8 @@ import pytest
 
 from aligner.algorithms.online.ppo import Service
 from aligner.servers.client import OK, TIMEOUT, SampleResult, Values
-from tests.conftest import (REPO, REWARDS, job_field, read_metrics, run_cli, sigusr1_stop_step, start_cli,
-                            wait_for_requeued_completion, wait_for_step)
+from tests.conftest import (REPO, REWARDS, job_field, read_metrics, requeued_job_log, run_cli, signal_usr1,
+                            sigusr1_stop_step, start_cli)
 
 KEYS = ("reward/mean", "loss", "grad_norm", "kl/mean", "value/loss", "returns/mean", "value/explained_variance",
         "advantages/mean", "response_length/mean")
@@ -298,14 +298,7 @@ def test_the_hetjob_stops_on_usr1_requeues_and_both_sides_resume_exactly(tiny_as
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
     args = ppo_args(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=60")[2:]
     job = _submit_hetjob(slurm_env, out, args)
-    try:
-        queued = lambda: job_field(slurm_env, job, "JobState") in ("PENDING", "CONFIGURING", "RUNNING")  # noqa: E731
-        wait_for_step(run_dir, 3, queued)
-        signalled = subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, capture_output=True, text=True)
-        assert signalled.returncode == 0, signalled.stderr
-        log = wait_for_requeued_completion(slurm_env, job, out, timeout=600)
-    finally:
-        subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
+    log = requeued_job_log(slurm_env, job, run_dir, out, 3, lambda: signal_usr1(slurm_env, job))
     assert "start 1; service on node1, actor on node2" in log and "start 2;" in log, log
     assert "stopped at a checkpoint; requeueing job" in log, log
     stop_step = sigusr1_stop_step(log)

@@ -12,8 +12,8 @@ import pytest
 
 from aligner.data.preference import synthetic_preferences, write_jsonl
 from aligner.runtime.preemption import EXIT_PREEMPTED
-from tests.conftest import (FRESH, REPO, assert_metrics_match_by_step, job_field, read_metrics, run_cli, sigusr1_stop_step,
-                            start_cli, wait_for_requeued_completion, wait_for_step)
+from tests.conftest import (FRESH, REPO, assert_metrics_match_by_step, read_metrics, requeued_job_log, run_cli,
+                            signal_usr1, sigusr1_stop_step, start_cli, wait_for_step)
 
 MAX_STEPS = 40
 COMPARED = ("loss", "accuracy", "reward/margin", "grad_norm", "lr", "consumed_samples")
@@ -126,13 +126,7 @@ def test_slurm_job_stops_on_usr1_requeues_itself_and_resumes_exactly(tiny_assets
                             cwd=REPO, env=env, capture_output=True, text=True)
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
-    try:
-        wait_for_step(run_dir, 3, lambda: job_field(env, job, "JobState") in ("PENDING", "RUNNING"), timeout=300)
-        signalled = subprocess.run(["scancel", "--signal=USR1", job], env=env, capture_output=True, text=True)
-        assert signalled.returncode == 0, signalled.stderr
-        log = wait_for_requeued_completion(env, job, out, timeout=420)
-    finally:
-        subprocess.run(["scancel", job], env=env, capture_output=True)
+    log = requeued_job_log(env, job, run_dir, out, 3, lambda: signal_usr1(env, job))
     assert "start 1 on node[1-2]" in log and "start 2 on node[1-2]" in log, log
     assert "stopped at a checkpoint; requeueing job" in log, log
     stop_step = sigusr1_stop_step(log)

@@ -16,8 +16,8 @@ import psutil
 
 import pytest
 
-from tests.conftest import (REPO, REWARDS, job_field, read_metrics, run_cli, sigusr1_stop_step, start_cli,
-                            wait_for_requeued_completion, wait_for_step)
+from tests.conftest import (REPO, REWARDS, job_field, read_metrics, requeued_job_log, run_cli, signal_usr1,
+                            sigusr1_stop_step, start_cli, wait_for_step)
 from tests.e2e.test_rl_loop import grpo, grpo_args
 
 # a reward that differs within every group (the response's length), so that every step changes the weights
@@ -204,14 +204,7 @@ def test_the_async_hetjob_stops_on_usr1_requeues_and_resumes_exactly(tiny_assets
     args = grpo_args(tiny_assets, rl_assets, run_dir, *STEPS, "generation.workers=1", "algorithm.async.max_lag=1",
                      "algorithm.importance_sampling.level=token")[1:]
     job = submit_async_job(slurm, out, args)
-    try:
-        queued = lambda: job_field(slurm, job, "JobState") in ("PENDING", "CONFIGURING", "RUNNING")  # noqa: E731
-        wait_for_step(run_dir, 1, queued)
-        signalled = subprocess.run(["scancel", "--signal=USR1", job], env=slurm, capture_output=True, text=True)
-        assert signalled.returncode == 0, signalled.stderr
-        log = wait_for_requeued_completion(slurm, job, out, timeout=600)
-    finally:
-        subprocess.run(["scancel", job], env=slurm, capture_output=True)
+    log = requeued_job_log(slurm, job, run_dir, out, 1, lambda: signal_usr1(slurm, job))
     assert "start 1; trainer on node1, rollout workers on node2" in log and "start 2;" in log, log
     assert "stopped at a checkpoint; requeueing job" in log, log
     assert 1 <= sigusr1_stop_step(log) < 4
@@ -232,13 +225,7 @@ def test_a_rollout_worker_lost_under_slurm_stops_the_job_at_a_checkpoint_and_the
     args = grpo_args(tiny_assets, rl_assets, run_dir, *STEPS, "generation.workers=1", "algorithm.async.max_lag=1",
                      "algorithm.importance_sampling.level=token")[1:]
     job = submit_async_job(slurm, out, args)
-    try:
-        queued = lambda: job_field(slurm, job, "JobState") in ("PENDING", "CONFIGURING", "RUNNING")  # noqa: E731
-        wait_for_step(run_dir, 1, queued)
-        os.kill(worker_pid(run_dir), signal.SIGKILL)
-        log = wait_for_requeued_completion(slurm, job, out, timeout=600)
-    finally:
-        subprocess.run(["scancel", job], env=slurm, capture_output=True)
+    log = requeued_job_log(slurm, job, run_dir, out, 1, lambda: os.kill(worker_pid(run_dir), signal.SIGKILL))
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "rollout worker 0 (TP rank 0, bridge rank 1)" in errors[0], log
     assert str(run_dir / "logs/rollout_worker_task_0.log") in errors[0], errors

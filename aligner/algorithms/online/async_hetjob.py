@@ -20,8 +20,8 @@ import sys
 from aligner.config import compose_config
 from aligner.config.validate import validate
 from aligner.errors import ConfigError
-from aligner.launch.slurm_job import Component, check_one_task_per_gpu, hostnames, job_components, parse_components, \
-    shell
+from aligner.launch.slurm_job import (Component, check_one_task_per_gpu, check_tasks_divide, hostnames, job_components,
+                                      parse_components, shell)
 
 ALGORITHMS = ("grpo", "reinforce")  # PPO's critic service needs a component of its own: slurm/ppo.sbatch
 
@@ -42,10 +42,8 @@ def check_layout(cfg, trainer: Component, workers: Component) -> None:
                           f"each node needs a multiple of generation.tensor_model_parallel_size="
                           f"{g.tensor_model_parallel_size} tasks (a worker's TP ranks share a node)")
     m = cfg.model
-    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-    if trainer.tasks % mp:
-        raise ConfigError(f"the trainer (component 0) has {trainer.tasks} tasks, not a multiple of model tensor x "
-                          f"pipeline x context_parallel_size = {mp}: give component 0 more tasks or nodes")
+    check_tasks_divide("trainer", trainer, m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+                       * m.context_parallel_size, "model tensor x pipeline x context_parallel_size")
 
 
 def ports(job_id: int) -> dict[str, int]:

@@ -17,24 +17,19 @@ import sys
 from aligner.config import compose_config
 from aligner.config.validate import validate
 from aligner.errors import ConfigError
-from aligner.launch.slurm_job import (Component, check_one_task_per_gpu, hostnames, job_components, parse_components,
-                                      shell)
+from aligner.launch.slurm_job import (Component, check_one_task_per_gpu, check_tasks_divide, hostnames, job_components,
+                                      parse_components, shell)
 
 
 def check_layout(cfg, service: Component, actor: Component) -> None:
     """One rank per GPU on either side, and each side's parallel sizes dividing its ranks."""
     check_one_task_per_gpu("service (component 0)", service)
     check_one_task_per_gpu("actor (component 1)", actor)
-    p = cfg.critic.parallel
-    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-    if service.tasks % mp:
-        raise ConfigError(f"the service (component 0) has {service.tasks} tasks, not a multiple of critic.parallel "
-                          f"tensor x pipeline_model_parallel_size = {mp}: give component 0 more tasks or nodes")
-    m = cfg.model
-    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-    if actor.tasks % mp:
-        raise ConfigError(f"the actor (component 1) has {actor.tasks} tasks, not a multiple of model tensor x "
-                          f"pipeline x context_parallel_size = {mp}: give component 1 more tasks or nodes")
+    p, m = cfg.critic.parallel, cfg.model
+    check_tasks_divide("service", service, p.tensor_model_parallel_size * p.pipeline_model_parallel_size,
+                       "critic.parallel tensor x pipeline_model_parallel_size")
+    check_tasks_divide("actor", actor, m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+                       * m.context_parallel_size, "model tensor x pipeline x context_parallel_size")
 
 
 def ports(job_id: int) -> dict[str, int]:
