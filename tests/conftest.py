@@ -37,15 +37,40 @@ LONGEST_FIRST = ("tests/e2e/test_example.py", "tests/e2e/test_device_kit.py", "t
                  "tests/e2e/test_rl_async.py")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Each test is marked by its folder's tier, so `-m unit` equals `pytest tests/unit`; the longest files
-    first (LONGEST_FIRST)."""
+    first (LONGEST_FIRST). On an xdist worker the `solo` tests go last and are named for the scheduler (SoloLast)."""
     for item in items:
         tier = Path(item.fspath).parent.name
         if tier in TIERS:
             item.add_marker(tier)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(item.fspath).relative_to(REPO).as_posix(), len(rank)))
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.get_closest_marker("solo") is not None)
+        names = shared_dir() / "solo-tests.txt"  # both workers write the same; read once scheduling starts
+        partial = names.with_suffix(f".{os.getpid()}")
+        partial.write_text("\n".join(item.nodeid for item in items if item.get_closest_marker("solo")))
+        os.replace(partial, names)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, but the solo tests (module doc) are one unit, run last: a solo test waits for the test the
+    other worker is running, and at the end that is a short one, not the example's ten minutes. The controller
+    does not collect: the workers name the solo tests in the shared folder before they report their collection."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling  # only where xdist runs the suite
+
+    class SoloLast(LoadFileScheduling):
+        solo: set | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.solo is None:
+                self.solo = set((shared_dir() / "solo-tests.txt").read_text().splitlines())
+            return "solo" if nodeid in self.solo else super()._split_scope(nodeid)
+
+    return SoloLast(config, log)
 
 
 _zygote: subprocess.Popen | None = None

@@ -97,7 +97,6 @@ def test_only_reruns_the_named_checks_into_the_same_report(dry_run):
     assert list(rerun["checks"]) == list(CHECKS)
 
 
-@pytest.mark.solo
 def test_a_check_past_its_time_is_ended_and_recorded_as_a_timeout(tmp_path):
     """sft on a fresh work directory needs ~40 s here; a budget of 21 s ends it (and the runs it started)."""
     result = accept("--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--only", "sft", "--budget", "21",
