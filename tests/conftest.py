@@ -308,26 +308,27 @@ def rl_assets(tiny_assets):
     return built_once("rl", build)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """A local Slurm cluster of 2 fake nodes (scripts/slurm_local.sh); its environment for sbatch & co. Started
-    once for every worker, stopped at the session's end (pytest_unconfigure)."""
-    if os.geteuid() != 0:
-        pytest.skip("a local Slurm cluster needs root (scripts/slurm_local.sh)")
-    with FileLock(str(shared_dir() / "slurm-start.lock")):
-        start = subprocess.run(["bash", "scripts/slurm_local.sh", "start"], cwd=REPO, capture_output=True, text=True,
-                               timeout=300)
-        (shared_dir() / "slurm-started").touch()
-    assert start.returncode == 0, start.stderr
-    conf = start.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    return {**os.environ, "SLURM_CONF": conf}
+_slurm_env: dict | None = None  # this worker's environment for the local cluster, once it was started
 
 
 @pytest.fixture()
-def slurm(slurm_cluster):
-    """The cluster for one test's jobs: one test's at a time, so each test's job finds the nodes it expects."""
-    with FileLock(str(shared_dir() / "slurm-jobs.lock")):
-        yield slurm_cluster
+def slurm():
+    """A local Slurm cluster of 2 fake nodes (scripts/slurm_local.sh); its environment for sbatch & co. One test's
+    jobs at a time over all workers, and the start (once per worker) under the same lock: a start finds a cluster
+    with another test's job on it not idle and rebuilds it, cancelling the job. Stopped at the session's end
+    (pytest_unconfigure)."""
+    global _slurm_env
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm cluster needs root (scripts/slurm_local.sh)")
+    with FileLock(str(shared_dir() / "slurm.lock")):
+        if _slurm_env is None:
+            start = subprocess.run(["bash", "scripts/slurm_local.sh", "start"], cwd=REPO, capture_output=True,
+                                   text=True, timeout=300)
+            (shared_dir() / "slurm-started").touch()
+            assert start.returncode == 0, start.stderr
+            conf = start.stdout.strip().splitlines()[-1].split("=", 1)[1]
+            _slurm_env = {**os.environ, "SLURM_CONF": conf}
+        yield _slurm_env
 
 
 def job_field(env, job: str, field: str) -> str:
