@@ -47,9 +47,10 @@ class RolloutWorkers:
         # sides: rank 0 only joins the bridge, and a lost worker is named from its bridge rank
         self.external = os.environ.get("ALIGNER_BRIDGE")
         address = self.external or f"127.0.0.1:{free_port()}"
-        self.device, gpus = bridge_device(cfg)
         if self.external:  # NCCL when the job's plan found GPUs on both components and the trainer runs on NCCL
-            self.device = "cuda" if os.environ.get("ALIGNER_BRIDGE_DEVICE") == "cuda" and _nccl() else "cpu"
+            self.device, gpus = ("cuda" if os.environ.get("ALIGNER_BRIDGE_DEVICE") == "cuda" and _nccl() else "cpu"), 0
+        else:
+            self.device, gpus = bridge_device(cfg)
         first_gpu = cfg.launcher.nproc_per_node  # the trainer's ranks hold the node's first GPUs
         self.procs, self.logs = [], []
         for worker in range(0 if self.external else self.count):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import sys
 from dataclasses import dataclass
 
 from aligner.errors import ConfigError
@@ -71,3 +72,13 @@ def shell(assignments: dict[str, list[str] | str]) -> str:
         else:
             lines.append(f"{name}={shlex.quote(value)}")
     return "\n".join(lines)
+
+
+def print_plan(script: str, job_id: int, plan) -> int:
+    """The script's `eval`-able plan on stdout (`plan(scontrol lines)`), or its one-line refusal (exit 2)."""
+    try:
+        print(shell(plan(job_components(job_id))))
+    except ConfigError as e:
+        print(f"error: {script}, job {job_id}: {e}", file=sys.stderr)
+        return 2
+    return 0

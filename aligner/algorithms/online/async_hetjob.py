@@ -20,8 +20,8 @@ import sys
 from aligner.config import compose_config
 from aligner.config.validate import validate
 from aligner.errors import ConfigError
-from aligner.launch.slurm_job import (Component, check_one_task_per_gpu, check_tasks_divide, hostnames, job_components,
-                                      parse_components, shell)
+from aligner.launch.slurm_job import (Component, check_one_task_per_gpu, check_tasks_divide, hostnames,
+                                      parse_components, print_plan)
 
 ALGORITHMS = ("grpo", "reinforce")  # PPO's critic service needs a component of its own: slurm/ppo.sbatch
 
@@ -91,12 +91,7 @@ def plan(job_id: int, algorithm: str, overrides: list[str], scontrol_lines: str,
 
 def main(argv: list[str]) -> int:
     job_id, algorithm, overrides = int(argv[0]), argv[1] if len(argv) > 1 else "", argv[2:]
-    try:
-        print(shell(plan(job_id, algorithm, overrides, job_components(job_id))))
-    except ConfigError as e:
-        print(f"error: slurm/rl_async.sbatch, job {job_id}: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return print_plan("slurm/rl_async.sbatch", job_id, lambda lines: plan(job_id, algorithm, overrides, lines))
 
 
 if __name__ == "__main__":

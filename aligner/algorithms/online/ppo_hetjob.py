@@ -17,8 +17,8 @@ import sys
 from aligner.config import compose_config
 from aligner.config.validate import validate
 from aligner.errors import ConfigError
-from aligner.launch.slurm_job import (Component, check_one_task_per_gpu, check_tasks_divide, hostnames, job_components,
-                                      parse_components, shell)
+from aligner.launch.slurm_job import (Component, check_one_task_per_gpu, check_tasks_divide, hostnames,
+                                      parse_components, print_plan)
 
 
 def check_layout(cfg, service: Component, actor: Component) -> None:
@@ -64,13 +64,7 @@ def plan(job_id: int, overrides: list[str], scontrol_lines: str, host_of=lambda 
 
 def main(argv: list[str]) -> int:
     job_id, overrides = int(argv[0]), argv[1:]
-    lines = job_components(job_id)
-    try:
-        print(shell(plan(job_id, overrides, lines)))
-    except ConfigError as e:
-        print(f"error: slurm/ppo.sbatch, job {job_id}: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return print_plan("slurm/ppo.sbatch", job_id, lambda lines: plan(job_id, overrides, lines))
 
 
 if __name__ == "__main__":

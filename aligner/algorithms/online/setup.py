@@ -92,10 +92,9 @@ def start_rollout_workers(cfg) -> RolloutWorkers | None:
     builds its model), with the run's config beside their logs."""
     if cfg.generation.get("placement", "colocated") != "separate" or dist.get_rank() != 0:
         return None
-    if os.environ.get("ALIGNER_BRIDGE"):  # srun started the workers on the config the job's plan wrote
-        return RolloutWorkers(cfg, worker_config_path(cfg), worker_schema(cfg), worker_config_path(cfg).parent)
-    return RolloutWorkers(cfg, save_worker_config(cfg), worker_schema(cfg), worker_config_path(cfg).parent,
-                          entry=worker_entry(cfg))
+    # under Slurm srun started the workers on the config the job's plan wrote
+    config = worker_config_path(cfg) if os.environ.get("ALIGNER_BRIDGE") else save_worker_config(cfg)
+    return RolloutWorkers(cfg, config, worker_schema(cfg), config.parent, entry=worker_entry(cfg))
 
 
 def worker_entry(cfg) -> str:
