@@ -106,6 +106,9 @@ start() {
   if running; then echo "SLURM_CONF=$CONF"; return; fi
   install
   stop
+  # a fresh cluster: a controller killed with its machine (no `stop`) left jobs in its state, which it would
+  # recover as running on the nodes (state "mix", never idle)
+  rm -rf "$BASE/state" "$BASE/spool"
   write_config
   # munge: our own key and socket; munged runs as the munge user and wants a 0755 socket directory
   [ -f "$BASE/munge/munge.key" ] || dd if=/dev/urandom of="$BASE/munge/munge.key" bs=1024 count=1 status=none
