@@ -25,7 +25,9 @@ from tests.conftest import (REPO, REWARDS, job_field, read_metrics, requeued_job
 
 KEYS = ("reward/mean", "loss", "grad_norm", "kl/mean", "value/loss", "returns/mean", "value/explained_variance",
         "advantages/mean", "response_length/mean")
-SIX_STEPS = ("trainer.max_steps=6", "trainer.save_interval=2", "algorithm.kl.target=0.05", "algorithm.kl.horizon=100")
+# two optimizer steps a step (16 prompts, global batch 8): the second meets old log-probs, a KL and clipping
+SIX_STEPS = ("trainer.max_steps=6", "trainer.save_interval=2", "algorithm.kl.target=0.05", "algorithm.kl.horizon=100",
+             "trainer.global_batch_size=8")
 
 
 def ppo_args(assets, root, run_dir, *extra):
@@ -247,15 +249,17 @@ def test_first_step_with_a_tp2_actor_a_tp2_service_and_engine_log_probs_matches_
     assert first["timing/logprobs_s"] < 0.1 * ref["timing/logprobs_s"]  # no forward at all
 
 
-def test_first_step_with_a_cp2_actor_or_a_rollout_worker_matches_one_process(tiny_assets, rl_assets, tmp_path):
+def test_first_step_with_a_cp2_actor_or_a_rollout_worker_matches_one_process(tiny_assets, rl_assets, straight,
+                                                                             tmp_path):
     """A CP=2 actor (its CP ranks generate as two replicas, its passes split each sequence over them) and a
-    one-rank service: the first step equals a one-process actor's, two optimizer steps of it (old log-probs,
-    a KL, clipping). A separate rollout worker at lag 0 (generation.placement=separate) gives it bitwise."""
-    one, cp, separate = (ppo(tiny_assets, rl_assets, tmp_path / name, "trainer.max_steps=1",
-                             "trainer.global_batch_size=8", *layout)[-1]
-                         for name, layout in (("one", []),
-                                              ("cp2", ["launcher.nproc_per_node=2", "model.context_parallel_size=2"]),
-                                              ("separate", ["generation.placement=separate"])))
+    one-rank service: the first step equals the one-process run's (`straight`), two optimizer steps of it (old
+    log-probs, a KL, clipping). A separate rollout worker at lag 0 (generation.placement=separate) gives it
+    bitwise."""
+    cp, separate = (ppo(tiny_assets, rl_assets, tmp_path / name, *SIX_STEPS[2:], "trainer.max_steps=1",
+                        "trainer.save_interval=0", *layout)[-1]
+                    for name, layout in (("cp2", ["launcher.nproc_per_node=2", "model.context_parallel_size=2"]),
+                                         ("separate", ["generation.placement=separate"])))
+    one = straight[0]
     assert separate["async/lag"] == 0.0
     for key in KEYS + ("policy/clip_fraction", "entropy/mean"):
         assert separate[key] == one[key], key
