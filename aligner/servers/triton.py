@@ -14,6 +14,7 @@ dict of outputs per request. An exception fails that call with its message; the 
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -112,7 +113,13 @@ def serve_bindings(server, run_dir, bindings: list[Binding], stop: threading.Eve
 
     logging.getLogger("pytriton").setLevel(logging.WARNING)
     stop = stop or threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    def asked_to_stop(*_):
+        stop.set()
+        # a stop still under way after 20 s (launchers kill at 30) writes every thread's stack to stderr: where
+        # it waits (a CI run saw a TP=2 reward server's rank 0 stop hang once, past its tritonserver's exit)
+        faulthandler.dump_traceback_later(20, exit=False)
+
+    previous = {s: signal.signal(s, asked_to_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     http, grpc, metrics = ports(server)
     check_ports_free(server.host, (http, grpc, metrics))
     run_dir = Path(run_dir)
