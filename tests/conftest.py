@@ -6,7 +6,7 @@ The session starts a zygote (aligner/launch/zygote.py) that has imported torch, 
 once: CLI runs and their ranks fork from it instead of paying ~5 s of imports each (servers, Slurm jobs and
 the example's commands start fresh; ALIGNER_TEST_ZYGOTE=0 turns it off).
 
-README's test command runs the suite on two pytest-xdist workers, a test file at a time each (`--dist
+The suite can run on two pytest-xdist workers (README gives the command), a test file at a time each (`--dist
 loadfile`: a file's module fixtures are built once). The workers share the zygote, the session's built assets
 (built once, under a file lock, in the session's shared folder) and the local Slurm cluster; a test marked
 `solo` (a timing-sensitive one) runs while no other test does; Slurm tests run one at a time."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aligner.algorithms.online.mismatch import truncated_fraction, truncated_is_weights
-from aligner.algorithms.online.separate import rollout_version
+from aligner.algorithms.online.separate import SeparateRollouts, rollout_version
 from aligner.config import load_config
 from aligner.errors import ConfigError
 
@@ -20,6 +20,24 @@ def test_step_t_trains_the_weights_after_step_t_minus_1_minus_k():
     table = {k: [rollout_version(t, k) for t in range(1, 8)] for k in (0, 1, 4)}
     assert table == {0: [0, 1, 2, 3, 4, 5, 6], 1: [0, 0, 1, 2, 3, 4, 5], 4: [0, 0, 0, 0, 0, 1, 2]}
     assert [t - 1 - rollout_version(t, 2) for t in range(1, 6)] == [0, 1, 2, 2, 2]  # async/lag = min(t-1, k)
+
+
+def test_kept_weights_outlive_the_checkpoint_being_saved(tmp_path):
+    """k=1, checkpoints every 2 steps: saving step 4 keeps version 1 on disk, which the step-2 checkpoint needs
+    until step 4's is complete (a run killed during that save resumes from step 2); saving step 6 then
+    deletes it. A run resumed from step 2 keeps it through its first save too."""
+    def saves(steps, resumed_from=None):
+        separate = SeparateRollouts(type("Trainer", (), {"run_dir": tmp_path})(), workers=object(), max_lag=1)
+        if resumed_from:
+            separate.after_resume(resumed_from)
+        for step in steps:
+            separate.kept[step - 1] = {"w": torch.full((2,), float(step - 1))}
+            separate.before_save(step)
+            yield sorted(int(p.stem.split("_")[1]) for p in separate.weights_dir.glob("version_*.safetensors"))
+
+    assert list(saves([2])) == [[1]]  # then killed while saving step 4: resumed from step 2
+    assert list(saves([4, 6], resumed_from=2)) == [[1, 3], [3, 5]]
+    assert list(saves([8, 10], resumed_from=6)) == [[5, 7], [7, 9]]
 
 
 def test_importance_weights_and_their_truncated_fraction_by_hand():

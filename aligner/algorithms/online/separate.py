@@ -51,6 +51,7 @@ class SeparateRollouts:
         self.sent = None  # the version the workers hold
         self.pending = deque()  # orders not yet trained: (step, prompt indices, first sample id)
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # rank 0, k >= 1: older versions a resume may need
+        self.last_checkpoint = 0  # the step of the newest checkpoint saved or resumed from (0: none)
         self.worker_seconds = 0.0
 
     @property
@@ -147,7 +148,9 @@ class SeparateRollouts:
 
     def before_save(self, step: int) -> None:
         """Global rank 0, before the checkpoint of `step`: write the older versions a resume from it needs
-        (step+1.. are generated from versions >= step-k), forget and delete the ones no step needs any more."""
+        (step+1.. are generated from versions >= step-k), forget the ones no later step needs, and delete the files
+        that neither it nor the previous checkpoint needs: until this one is complete, a run killed meanwhile
+        resumes from that one (a CI run's did, and found its version deleted)."""
         if self.workers is None:
             return
         needed = set(range(max(0, step - self.k), step))
@@ -160,11 +163,13 @@ class SeparateRollouts:
         for version in [v for v in self.kept if v < step - self.k]:
             del self.kept[version]
         for path in self.weights_dir.glob("version_*.safetensors"):
-            if int(path.stem.split("_")[1]) < step - self.k:
+            if int(path.stem.split("_")[1]) < min(step, self.last_checkpoint) - self.k:
                 path.unlink()
+        self.last_checkpoint = step
 
     def after_resume(self, step: int) -> None:
         """Global rank 0: the kept versions of the checkpoint of `step`, back in memory."""
+        self.last_checkpoint = step
         if self.workers is None or not self.weights_dir.exists():
             return
         for version in range(max(0, step - self.k), step):
