@@ -113,6 +113,7 @@ def serve_bindings(server, run_dir, bindings: list[Binding], stop: threading.Eve
 
     logging.getLogger("pytriton").setLevel(logging.WARNING)
     stop = stop or threading.Event()
+
     def asked_to_stop(*_):
         stop.set()
         # a stop still under way after 20 s (launchers kill at 30) writes every thread's stack to stderr: where

@@ -34,7 +34,7 @@ def world(tiny_assets, tmp_path_factory):
     from aligner.servers.process import ServerProcess
 
     root = tmp_path_factory.mktemp("servers")
-    scratch_before, model_dirs_before = triton_scratch_dirs(), triton_model_dirs()
+    model_dirs_before = triton_model_dirs()
     tokenizer_dir = tiny_assets / "tokenizer"
     rm1 = make_reward_checkpoint(root / "rm1", tokenizer_dir, 1, seed=1)
     rm2 = make_reward_checkpoint(root / "rm2", tokenizer_dir, 2, seed=2, attributes=["helpfulness", "correctness"])
@@ -74,8 +74,7 @@ def world(tiny_assets, tmp_path_factory):
     print(f"4 servers ready in {time.monotonic() - start:.1f} s")
     world = {"root": root, "rm1": rm1, "rm2": rm2, "tokenizer": tokenizer, "texts": texts,
              "sequences": [tokenizer(t + "<eos>", add_special_tokens=False)["input_ids"] for t in texts],
-             "ports": ports, "servers": servers, "scratch_before": scratch_before,
-             "model_dirs_before": model_dirs_before, "leaked": set()}
+             "ports": ports, "servers": servers, "model_dirs_before": model_dirs_before, "leaked": set()}
     yield world
     for server in world["servers"].values():
         server.terminate()
