@@ -10,6 +10,7 @@ keeps serving; a port clash is not mistaken for readiness; a server killed mid-t
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -185,6 +186,23 @@ def test_critic_cohosts_the_reward_model(world, reference):
     # initialised from rm1 (one output, so its head too): the value at the last token is rm1's reward
     last = np.array([r.value[-1] for r in before.results])
     assert np.abs(last - reference["rm1"][:12, 0]).max() < 1e-5
+
+
+def test_model_stubs_run_at_real_time_priority(world):
+    """Every thread of the critic's model stubs at SCHED_RR where the OS permits (root, as in CI), so that their
+    health threads answer within Triton's 1-s window beside busy ranks (servers/triton.py); tritonserver itself and
+    the server's own compute keep the ordinary policy."""
+    from aligner.servers.triton import STUB_PRIORITY
+
+    serving = psutil.Process(world["servers"]["critic"].serving_pid)
+    relays = [p for p in serving.children(recursive=True) if p.name().startswith(("tritonserver", "triton_python"))]
+    stubs = [p for p in relays if p.name().startswith("triton_python")]
+    assert len(relays) == 1 + 5 and len(stubs) == 5  # a stub per model: critic_infer/train/save/load, reward_model
+    policy = (os.SCHED_RR, STUB_PRIORITY) if os.geteuid() == 0 else (os.SCHED_OTHER, 0)
+    threads = [t.id for p in stubs for t in p.threads()]
+    assert {(os.sched_getscheduler(t), os.sched_getparam(t).sched_priority) for t in threads} == {policy}
+    others = [t.id for p in (serving, *set(relays) - set(stubs)) for t in p.threads()]
+    assert {os.sched_getscheduler(t) for t in others} == {os.SCHED_OTHER}
 
 
 def test_critic_infer_also_returns_rewards(world, reference):
