@@ -103,21 +103,18 @@ def _write_ready_file(path: Path, info: dict) -> None:
 STUB_PRIORITY = 1
 
 
-def prioritise_stubs() -> int:
+def prioritise_stubs() -> None:
     """Every thread of this process's model stubs (tritonserver's children) to SCHED_RR at STUB_PRIORITY (Linux
-    schedules threads, and the stubs' health threads already exist); the number of threads raised, 0 where not
-    permitted."""
-    raised = 0
+    schedules threads, and the stubs' health threads already exist); nothing where that is not permitted."""
     for child in psutil.Process().children(recursive=True):
         try:
-            if not child.name().startswith("triton_python_backend_stub"):
-                continue
-            for thread in child.threads():
-                os.sched_setscheduler(thread.id, os.SCHED_RR, os.sched_param(STUB_PRIORITY))
-                raised += 1
-        except (PermissionError, psutil.Error, ProcessLookupError):
-            continue
-    return raised
+            if child.name().startswith("triton_python_backend_stub"):
+                for thread in child.threads():
+                    os.sched_setscheduler(thread.id, os.SCHED_RR, os.sched_param(STUB_PRIORITY))
+        except PermissionError:
+            return  # neither root nor CAP_SYS_NICE: the same for every stub
+        except (ProcessLookupError, psutil.Error):
+            continue  # a stub or thread that has just exited
 
 
 def _tensors(specs):
@@ -172,7 +169,7 @@ def serve_bindings(server, run_dir, bindings: list[Binding], stop: threading.Eve
                         config=ModelConfig(batching=b.endpoint.batched, max_batch_size=b.max_batch_size,
                                            batcher=batcher))
         triton.run()
-        log.debug("%d model stub threads at real-time priority %d", prioritise_stubs(), STUB_PRIORITY)
+        prioritise_stubs()
         url = f"http://{server.host}:{http}"
         models = [b.endpoint.name for b in bindings]
         if ready_file:

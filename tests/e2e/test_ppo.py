@@ -52,9 +52,9 @@ def test_ppo_learns_a_rewarded_string(tiny_assets, rl_assets, tmp_path):
     fresh value head, and lam=1 gives Monte-Carlo returns while it learns): PPO makes most samples earn
     it within 24 steps, and the critic learns. The CPU's fp32 summation order moves the sampled trajectory
     like a new seed: every sample of steps 20-24 on an AVX-512 host (50 steps were no surer: 0.81 at step
-    26), 0.62 / 0.75 / 0.56 / 0.81 / 0.88 on an AVX2 one, so the check is the last five steps' mean. During the two critic warm-up steps only the critic trains: the
-    actor generating step 3 is still the SFT model (its KL to the reference, the SFT weights, is exactly
-    0), and the first update moves it."""
+    26), 0.62 / 0.75 / 0.56 / 0.81 / 0.88 on an AVX2 one, so the check is the last five steps' mean.
+    During the two critic warm-up steps only the critic trains: the actor generating step 3 is still the
+    SFT model (its KL to the reference, the SFT weights, is exactly 0), and the first update moves it."""
     metrics = ppo(tiny_assets, rl_assets, tmp_path / "run", "trainer.max_steps=24", "algorithm.kl.coef=0.0",
                   "algorithm.lam=1.0", "trainer.save_interval=12", "algorithm.critic_warmup_steps=2")
     rewards = [m["reward/mean"] for m in metrics]
