@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aligner.launch import zygote  # stdlib only: the kit checks the environment before it imports torch
@@ -202,6 +203,14 @@ class Context:
                 f"trainer.max_steps={s['sft_steps']}", *saves, "trainer.seed=1234", "logging.progress=false",
                 "logging.tensorboard=false", *extra]
 
+    def side_by_side(self, fn, items) -> list:
+        """[fn(item) for item in items], two at a time: the runs of the sft and checkpoint checks are independent
+        processes of one rank each, so on a CPU host the second core would otherwise idle (and a GPU holds two
+        tiny runs at once). An exception is raised once both runs are done."""
+        items = list(items)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            return list(pool.map(fn, items))
+
     def sft_run(self, name: str) -> Path:
         """SFT_RUNS[name], run once per work directory (the checkpoint check reuses the sft check's runs)."""
         run_dir = self.work / "runs" / f"sft_{name}"
@@ -321,7 +330,8 @@ def pytest_gpu(ctx: Context) -> dict:
 
 def sft(ctx: Context) -> dict:
     """CPU fp32 against CUDA fp32 at every step, CUDA bf16 against CUDA fp32, packed against padded."""
-    runs = {name: losses(ctx.sft_run(name)) for name in SFT_RUNS}
+    ctx.assets()  # built once, before the runs that start from it
+    runs = dict(zip(SFT_RUNS, map(losses, ctx.side_by_side(ctx.sft_run, SFT_RUNS))))
     counts = {name: losses(ctx.work / "runs" / f"sft_{name}", "loss_count") for name in SFT_RUNS}
     m = ctx.measured
     m["steps"] = {name: len(r) for name, r in runs.items()}
@@ -347,14 +357,21 @@ def checkpoint(ctx: Context) -> dict:
     """A mid-run checkpoint of one device resumed on the other (both ways) and on CUDA itself: the resumed
     steps' losses against the uninterrupted run's."""
     s, conditions = ctx.size, {}
-    for name, (source, device, gate) in RESUMES.items():
-        src = ctx.sft_run(source)
+    ctx.assets()
+    names = sorted({source for source, _, _ in RESUMES.values()})  # the sft check's runs, or run here for --only
+    sources = dict(zip(names, ctx.side_by_side(ctx.sft_run, names)))
+
+    def resume(name: str) -> Path:
+        source, device, _ = RESUMES[name]
         run_dir = ctx.work / "runs" / f"resume_{name}"
         shutil.rmtree(run_dir, ignore_errors=True)
         step = f"step_{s['save_at']:06d}"
-        shutil.copytree(src / "checkpoints" / step, run_dir / "checkpoints" / step)
+        shutil.copytree(sources[source] / "checkpoints" / step, run_dir / "checkpoints" / step)
         ctx.cli(*ctx.sft_args(run_dir, SFT_RUNS[source][1], save=False), device=ctx.device(device))
-        resumed, reference = losses(run_dir), losses(src)
+        return run_dir
+
+    for (name, (source, _, gate)), run_dir in zip(RESUMES.items(), ctx.side_by_side(resume, RESUMES)):
+        resumed, reference = losses(run_dir), losses(sources[source])
         ctx.measured[name] = {"first_step": min(resumed, default=None), "steps": len(resumed),
                               "max_rel": max_rel_diff(resumed, reference)}
         ctx.expected[name] = {"first_step": s["save_at"] + 1, "steps": s["sft_steps"] - s["save_at"],

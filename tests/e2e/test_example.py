@@ -39,30 +39,29 @@ def finish(process: subprocess.Popen, script: str, logs: Path, deadline: float) 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
     """examples/tiny/run.sh, examples/tiny/lora.sh and examples/tiny/agent.sh on the same output, as README runs them,
-    but overlapped: run.sh's last stage, PPO, keeps one core busy (its GRPO is done by then), and lora.sh needs only
-    run.sh's SFT and reward-model checkpoints, so it starts when run.sh's PPO does and shares the other core with it;
-    agent.sh needs only the SFT checkpoint and starts when run.sh ends (beside both PPO runs and their critic
-    services, a CI run's critic stubs stopped answering). lora.sh's closing table also reads run.sh's PPO metrics:
+    but overlapped so that both cores stay busy: agent.sh needs only run.sh's SFT checkpoint and starts with run.sh's
+    DPO (run.sh's DPO, generation and the start of its PPO run on one core); lora.sh needs run.sh's SFT and
+    reward-model checkpoints and starts with run.sh's PPO. lora.sh's closing table also reads run.sh's PPO metrics:
     they are complete by then, as lora.sh runs a PPO of the same shape (plus adapters) after its DPO, and its GRPO
-    beside both. Saves ~80 s of the ~570 s that run.sh and lora.sh took one after the other on a quiet machine.
-    (the output directory, run.sh's finished process, lora.sh's and agent.sh's, each None when run.sh ended before
-    its PPO)."""
+    beside both. The model stubs of the two PPO critic services run at real-time priority (aligner/servers/triton.py),
+    which is what kept them answering beside this load. (the output directory, run.sh's finished process, lora.sh's
+    and agent.sh's, each None when run.sh ended before the stage that starts it)."""
     out, logs = tmp_path_factory.mktemp("tiny"), tmp_path_factory.mktemp("tiny_logs")
     deadline = time.monotonic() + 1800  # 900 s for each script, as when they ran one after the other
     example = start("run.sh", out, logs)
     lora = agent = None
     try:
-        while not (out / "ppo").exists() and example.poll() is None and time.monotonic() < deadline:
+        while lora is None and example.poll() is None and time.monotonic() < deadline:
+            if agent is None and (out / "dpo").exists():
+                agent = start("agent.sh", out, logs)
+            if (out / "ppo").exists():
+                lora = start("lora.sh", out, logs)
             time.sleep(1)
-        if (out / "ppo").exists():
-            lora = start("lora.sh", out, logs)
     finally:
         first = finish(example, "run.sh", logs, deadline)
         try:
-            if lora is not None:  # after run.sh: two PPO critic services and agent.sh at once overloaded two cores
-                agent = start("agent.sh", out, logs)
-        finally:
             second = finish(lora, "lora.sh", logs, deadline) if lora else None
+        finally:
             third = finish(agent, "agent.sh", logs, deadline) if agent else None
     return out, first, second, third
 
