@@ -206,8 +206,7 @@ class Context:
     def side_by_side(self, fn, items) -> list:
         """[fn(item) for item in items], two at a time: the runs of the sft and checkpoint checks are independent
         processes of one rank each, so on a CPU host the second core would otherwise idle (and a GPU holds two
-        tiny runs at once). An exception is raised once both runs are done."""
-        items = list(items)
+        tiny runs at once). A run's exception is raised here, after the other run has ended."""
         with ThreadPoolExecutor(max_workers=2) as pool:
             return list(pool.map(fn, items))
 
