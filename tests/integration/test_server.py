@@ -205,6 +205,15 @@ def test_model_stubs_run_at_real_time_priority(world):
     assert {os.sched_getscheduler(t) for t in others} == {os.SCHED_OTHER}
 
 
+def test_tritonserver_skips_the_config_completion_stubs(world):
+    """tritonserver runs with --strict-model-config=true (servers/triton.py): no stub is launched per model only to
+    complete its config, which PyTriton has written whole; the endpoints above and below still answer."""
+    serving = psutil.Process(world["servers"]["critic"].serving_pid)
+    [server] = [p for p in serving.children(recursive=True) if p.name().startswith("tritonserver")]
+    args = server.cmdline()
+    assert args[args.index("--strict-model-config") + 1] == "true"
+
+
 def test_critic_infer_also_returns_rewards(world, reference):
     from aligner.servers.client import EndpointClient
     from aligner.servers.protocol import pad_token_rows
