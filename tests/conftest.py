@@ -6,10 +6,12 @@ The session starts a zygote (aligner/launch/zygote.py) that has imported torch, 
 once: CLI runs and their ranks fork from it instead of paying ~5 s of imports each (servers, Slurm jobs and
 the example's commands start fresh; ALIGNER_TEST_ZYGOTE=0 turns it off).
 
-The suite can run on two pytest-xdist workers (README gives the command), a test file at a time each (`--dist
-loadfile`: a file's module fixtures are built once). The workers share the zygote, the session's built assets
-(built once, under a file lock, in the session's shared folder) and the local Slurm cluster; a test marked
-`solo` (a timing-sensitive one) runs while no other test does; Slurm tests run one at a time."""
+README's command runs the suite on two pytest-xdist workers, a test file at a time each (`--dist loadfile`: a
+file's module fixtures are built once). With `--unit-lane` (README's command) one worker runs tests/unit and
+nothing else, at the lowest CPU priority, on the cycles the other worker's tests leave idle; without it, both
+take any file. The workers share the zygote, the session's built assets (built once, under a file lock, in the
+session's shared folder) and the local Slurm cluster; a test marked `solo` (a timing-sensitive one) runs while no
+other test does; Slurm tests run one at a time."""
 from __future__ import annotations
 
 import fcntl
@@ -54,10 +56,20 @@ def pytest_collection_modifyitems(config, items):
         os.replace(partial, names)
 
 
+UNIT_LANE_WORKER = "gw1"  # with --unit-lane, the worker that runs tests/unit, at the lowest CPU priority
+
+
+def pytest_addoption(parser):
+    parser.addoption("--unit-lane", action="store_true",
+                     help="with -n 2 --dist loadfile: one worker runs tests/unit at the lowest CPU priority, on the "
+                          "cycles the other worker's tests leave idle; the other runs everything else (module doc)")
+
+
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile, but the solo tests (module doc) are one unit, run last: a solo test waits for the test the
     other worker is running, and at the end that is a short one, not the example's ten minutes. The controller
-    does not collect: the workers name the solo tests in the shared folder before they report their collection."""
+    does not collect: the workers name the solo tests in the shared folder before they report their collection.
+    With --unit-lane, tests/unit is one more unit, which only UNIT_LANE_WORKER runs, and it runs nothing else."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling  # only where xdist runs the suite
@@ -70,7 +82,48 @@ def pytest_xdist_make_scheduler(config, log):
                 self.solo = set((shared_dir() / "solo-tests.txt").read_text().splitlines())
             return "solo" if nodeid in self.solo else super()._split_scope(nodeid)
 
-    return SoloLast(config, log)
+    class UnitLane(SoloLast):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "unit" if scope.startswith("tests/unit/") else scope
+
+        def _next_scope(self, node) -> str | None:
+            """The first waiting unit of `node`'s lane: tests/unit on UNIT_LANE_WORKER, anything else elsewhere."""
+            unit_lane = node.gateway.id == UNIT_LANE_WORKER
+            return next((scope for scope in self.workqueue if (scope == "unit") == unit_lane), None)
+
+        def _assign_work_unit(self, node) -> None:
+            scope = self._next_scope(node)
+            if scope is None:
+                node.shutdown()
+                return
+            self.workqueue.move_to_end(scope, last=False)  # the base class takes the queue's first unit
+            super()._assign_work_unit(node)
+
+        def _reschedule(self, node) -> None:
+            if node.shutting_down:
+                return
+            if self._next_scope(node) is None:
+                node.shutdown()  # it ends once its pending tests have run
+            elif self._pending_of(self.assigned_work[node]) <= 2:
+                self._assign_work_unit(node)
+
+    return (UnitLane if config.getvalue("unit_lane") else SoloLast)(config, log)
+
+
+def to_lowest_priority() -> None:
+    """This process (and what it starts) runs only on cycles nothing else wants: a session of its own, whose
+    autogroup gets the lowest weight (with the kernel's session autogroups, a plain nice value weighs only against
+    the processes of the same session), and nice 19."""
+    try:
+        os.setsid()
+    except OSError:
+        pass  # already a session leader
+    try:
+        Path("/proc/self/autogroup").write_text("19")
+    except OSError:
+        pass  # no autogroups: the nice value below is weighed against every process
+    os.nice(19 - os.nice(0))
 
 
 _zygote: subprocess.Popen | None = None
@@ -82,6 +135,8 @@ def pytest_configure(config):
     """The session's shared folder (made by the controller or a plain session; xdist workers inherit it), and
     its zygote; processes start without the zygote until its imports are done (module doc)."""
     global _zygote, _owns_shared
+    if config.getoption("unit_lane") and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER:
+        to_lowest_priority()
     if not os.environ.get(SHARED_VARIABLE):
         os.environ[SHARED_VARIABLE] = tempfile.mkdtemp(prefix="aligner-tests-")
         _owns_shared = True
