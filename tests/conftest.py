@@ -14,6 +14,7 @@ session's shared folder) and the local Slurm cluster; a test marked `solo` (a ti
 other test does; Slurm tests run one at a time."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -111,6 +112,54 @@ def pytest_xdist_make_scheduler(config, log):
     return (UnitLane if config.getvalue("unit_lane") else SoloLast)(config, log)
 
 
+_in_unit_lane = False  # this process is the unit lane's worker (--unit-lane)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In the unit lane a test's wall time is mostly waiting for the cycles the other worker leaves: its reported
+    duration (--durations, the tier table, UNIT_BUDGET_S) is the CPU time of the phase instead, its children's
+    included (measured by _lane_cpu)."""
+    outcome = yield
+    if _in_unit_lane and call.when in _phase_cpu:
+        outcome.get_result().duration = _phase_cpu.pop(call.when)
+
+
+_phase_cpu: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _lane_cpu("setup"):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _lane_cpu("call"):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    with _lane_cpu("teardown"):
+        yield
+
+
+@contextlib.contextmanager
+def _lane_cpu(phase: str):
+    start = _cpu_seconds()
+    try:
+        yield
+    finally:
+        _phase_cpu[phase] = _cpu_seconds() - start
+
+
 def to_lowest_priority() -> None:
     """This process (and what it starts) runs only on cycles nothing else wants: a session of its own, whose
     autogroup gets the lowest weight (with the kernel's session autogroups, a plain nice value weighs only against
@@ -134,9 +183,11 @@ _owns_shared = False
 def pytest_configure(config):
     """The session's shared folder (made by the controller or a plain session; xdist workers inherit it), and
     its zygote; processes start without the zygote until its imports are done (module doc)."""
-    global _zygote, _owns_shared
-    if config.getoption("unit_lane") and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER:
-        to_lowest_priority()
+    global _zygote, _owns_shared, _in_unit_lane
+    if (config.getoption("unit_lane") and config.getoption("dist", None) == "loadfile"
+            and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER):
+        _in_unit_lane = True
+        to_lowest_priority()  # this worker will run only tests/unit (UnitLane)
     if not os.environ.get(SHARED_VARIABLE):
         os.environ[SHARED_VARIABLE] = tempfile.mkdtemp(prefix="aligner-tests-")
         _owns_shared = True

@@ -65,7 +65,13 @@ def init_process_group(timeout_s: int = 600) -> ProcessInfo:
 
 
 def init_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+    """megatron's parallel state for TP x PP x CP over this world; nothing to do when it already has that layout.
+    Rebuilding it is not free: megatron's destroy_model_parallel drops its groups without destroying them, and each
+    dropped gloo group keeps its threads, which wake on their own (~50 threads a rebuild of the one-rank layout)."""
     if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_context_parallel_world_size()) == (tp, pp, cp):
+            return
         ps.destroy_model_parallel()
     world = dist.get_world_size()
     if world % (tp * pp * cp):

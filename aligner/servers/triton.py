@@ -14,6 +14,7 @@ dict of outputs per request. An exception fails that call with its message; the 
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -124,10 +125,40 @@ def skip_config_autocompletion(triton) -> None:
     five-model critic service: ready ~8 s sooner). PyTriton 0.7.0's `TritonConfig` has no field for the option (its
     server config does), and tritonserver's newer `--disable-auto-complete-config` takes no value, which PyTriton's
     `--key=value` command line cannot pass; so it goes into the server config that `Triton.run()` turns into
-    tritonserver's command line. Without that attribute (another PyTriton) models load the slow way."""
+    tritonserver's command line (which prints one line at start calling the option deprecated). Without that
+    attribute (another PyTriton) models load the slow way."""
     server_config = getattr(triton, "_triton_server_config", None)
     if server_config is not None:
         server_config["strict-model-config"] = "true"
+
+
+@contextlib.contextmanager
+def real_time_while_loading():
+    """Start tritonserver and load the models with this thread at STUB_PRIORITY, so that tritonserver and the stubs
+    it forks inherit it: the Python backend gives a new stub 10 s to start its health thread and 5 s to initialise
+    (stub_launcher.cc, not configurable), which a stub at the ordinary policy missed on an overloaded host (two
+    example scripts' PPO runs, GRPO and a critic service on two cores: a model took 6.3 s to load, the next one
+    timed out and tritonserver aborted). Afterwards every thread of this process and of tritonserver goes back
+    to the ordinary policy (the server's own compute must not run at real-time priority); `prioritise_stubs` then
+    keeps the stubs where they were. Without the permission (neither root nor CAP_SYS_NICE) nothing changes."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(STUB_PRIORITY))
+    except PermissionError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        ordinary = os.sched_param(0)
+        processes = [psutil.Process(), *(c for c in psutil.Process().children(recursive=True)
+                                         if not c.name().startswith("triton_python_backend_stub"))]
+        for process in processes:
+            try:
+                for thread in process.threads():
+                    with contextlib.suppress(ProcessLookupError):  # a thread that has just exited
+                        os.sched_setscheduler(thread.id, os.SCHED_OTHER, ordinary)
+            except psutil.Error:
+                continue  # a process that has just exited
 
 
 def _tensors(specs):
@@ -182,7 +213,8 @@ def serve_bindings(server, run_dir, bindings: list[Binding], stop: threading.Eve
                         outputs=_tensors(b.endpoint.outputs), strict=True,
                         config=ModelConfig(batching=b.endpoint.batched, max_batch_size=b.max_batch_size,
                                            batcher=batcher))
-        triton.run()
+        with real_time_while_loading():
+            triton.run()
         prioritise_stubs()
         url = f"http://{server.host}:{http}"
         models = [b.endpoint.name for b in bindings]
