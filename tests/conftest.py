@@ -184,8 +184,8 @@ def pytest_configure(config):
     """The session's shared folder (made by the controller or a plain session; xdist workers inherit it), and
     its zygote; processes start without the zygote until its imports are done (module doc)."""
     global _zygote, _owns_shared, _in_unit_lane
-    if (config.getoption("unit_lane") and config.getoption("dist", None) == "loadfile"
-            and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER):
+    # (a worker's own "dist" option reads "no": the controller's scheduler, UnitLane, is what gives it only tests/unit)
+    if config.getoption("unit_lane") and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER:
         _in_unit_lane = True
         to_lowest_priority()  # this worker will run only tests/unit (UnitLane)
     if not os.environ.get(SHARED_VARIABLE):
