@@ -14,7 +14,6 @@ session's shared folder) and the local Slurm cluster; a test marked `solo` (a ti
 other test does; Slurm tests run one at a time."""
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -112,52 +111,40 @@ def pytest_xdist_make_scheduler(config, log):
     return (UnitLane if config.getvalue("unit_lane") else SoloLast)(config, log)
 
 
-_in_unit_lane = False  # this process is the unit lane's worker (--unit-lane)
+class UnitLaneDurations:
+    """In the unit lane a test's wall time is mostly waiting for the cycles the other worker leaves: each phase's
+    reported duration (--durations, the tier table, UNIT_BUDGET_S) is its CPU time instead, children included.
+    Registered only in the lane's worker."""
 
+    def __init__(self):
+        self.cpu: dict[str, float] = {}
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """In the unit lane a test's wall time is mostly waiting for the cycles the other worker leaves: its reported
-    duration (--durations, the tier table, UNIT_BUDGET_S) is the CPU time of the phase instead, its children's
-    included (measured by _lane_cpu)."""
-    outcome = yield
-    if _in_unit_lane and call.when in _phase_cpu:
-        outcome.get_result().duration = _phase_cpu.pop(call.when)
+    @staticmethod
+    def _cpu_seconds() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
 
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        outcome.get_result().duration = self.cpu.pop(call.when, outcome.get_result().duration)
 
-_phase_cpu: dict[str, float] = {}
-
-
-def _cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    with _lane_cpu("setup"):
+    def _timed(self, phase: str):
+        start = self._cpu_seconds()
         yield
+        self.cpu[phase] = self._cpu_seconds() - start
 
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        yield from self._timed("setup")
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    with _lane_cpu("call"):
-        yield
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        yield from self._timed("call")
 
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item):
-    with _lane_cpu("teardown"):
-        yield
-
-
-@contextlib.contextmanager
-def _lane_cpu(phase: str):
-    start = _cpu_seconds()
-    try:
-        yield
-    finally:
-        _phase_cpu[phase] = _cpu_seconds() - start
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item):
+        yield from self._timed("teardown")
 
 
 def to_lowest_priority() -> None:
@@ -183,11 +170,11 @@ _owns_shared = False
 def pytest_configure(config):
     """The session's shared folder (made by the controller or a plain session; xdist workers inherit it), and
     its zygote; processes start without the zygote until its imports are done (module doc)."""
-    global _zygote, _owns_shared, _in_unit_lane
+    global _zygote, _owns_shared
     # (a worker's own "dist" option reads "no": the controller's scheduler, UnitLane, is what gives it only tests/unit)
     if config.getoption("unit_lane") and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER:
-        _in_unit_lane = True
         to_lowest_priority()  # this worker will run only tests/unit (UnitLane)
+        config.pluginmanager.register(UnitLaneDurations(), "unit-lane-durations")
     if not os.environ.get(SHARED_VARIABLE):
         os.environ[SHARED_VARIABLE] = tempfile.mkdtemp(prefix="aligner-tests-")
         _owns_shared = True
