@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -30,6 +31,10 @@ class UserError(Exception):
 
     exit_code = EXIT_FAILURE
     fix = ""
+    # the process ends as soon as the error is reported (`handle`), without the interpreter's teardown: for a
+    # failure that leaves objects whose destructors can block, such as a process group with sends queued to a
+    # peer that is gone (generation/workers.py)
+    end_process = False
 
     def __init__(self, what: str, where: str = "", fix: str = ""):
         super().__init__(what)
@@ -99,8 +104,27 @@ def user_line(error: UserError, traceback_path: Path) -> str:
 
 
 def handle(error: BaseException) -> int:
-    """Report `error` the way its kind asks and return the exit code. In a launched rank
-    (`$ALIGNER_ERROR_FILE` set) nothing is printed: the launcher reports the first failing rank."""
+    """Report `error` the way its kind asks and return the exit code (or end the process with it, for a
+    `UserError.end_process`). In a launched rank (`$ALIGNER_ERROR_FILE` set) nothing is printed: the launcher
+    reports the first failing rank."""
+    code = _report(error)
+    if getattr(error, "end_process", False):
+        end_process(code)
+    return code
+
+
+def end_process(code: int) -> None:
+    """Exit now with `code`, the standard streams and logs flushed, skipping the interpreter's teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _report(error: BaseException) -> int:
     if isinstance(error, ReportedFailure):
         print(error, file=sys.stderr, flush=True)
         return error.exit_code

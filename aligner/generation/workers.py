@@ -30,6 +30,10 @@ ENTRY = "aligner.generation.rollout_worker:main"
 class RolloutWorkerLost(UserError):
     exit_code = EXIT_PREEMPTED
     fix = "re-run the same command to resume from the last checkpoint"
+    # the bridge may hold a weight broadcast to the lost worker that never completes, and torch's gloo destructor
+    # waits for it up to the bridge's timeout (an hour; seen on the local Slurm cluster, gdb: a pt_gloo_runloop
+    # thread in gloo::broadcast -> UnboundBuffer::waitSend, the main thread in ~ProcessGroupGloo)
+    end_process = True
 
 
 class RolloutWorkers:
@@ -70,6 +74,7 @@ class RolloutWorkers:
                 self.procs.append(popen([sys.executable, "-m", "aligner.launch.worker", entry, str(config_path),
                                          command], env=env, stdout=log, stderr=subprocess.STDOUT))
         self.address, self.bridge = address, None
+        self.lost = False  # a worker was lost: the bridge is not talked to again
         self.busy: dict[int, float] = {}  # worker -> its busy fraction over its last order
 
     def log_path(self, worker: int, rank: int = 0) -> Path:
@@ -97,6 +102,7 @@ class RolloutWorkers:
         for i, proc in enumerate(self.procs):
             if proc.poll() is not None:
                 worker, rank = divmod(i, self.tp)
+                self.lost = True
                 raise RolloutWorkerLost(f"rollout worker {worker} (TP rank {rank}) exited with code {proc.returncode}",
                                         f"log: {self.log_path(worker, rank)}")
 
@@ -122,6 +128,7 @@ class RolloutWorkers:
         try:
             return fn(*args)
         except RuntimeError as e:  # gloo: the connection to a peer broke
+            self.lost = True
             raise self._lost(e, rank) from None
 
     def _leaders(self) -> range:
@@ -176,13 +183,16 @@ class RolloutWorkers:
         return joined
 
     def close(self, grace_s: float = 10.0) -> None:
-        """Tell the workers to stop, then wait for them (killed after `grace_s`)."""
+        """Tell the workers to stop, then wait for them (killed after `grace_s`); once one was lost, the others
+        are killed: the bridge is not talked to again."""
         try:
-            if self.bridge is not None:
+            if self.bridge is not None and not self.lost:
                 self._tell_all({"kind": "stop"})
                 self.bridge.flush()
         except BaseException:  # noqa: BLE001 - stopping anyway; a worker that already ended is no news here
             pass
+        if self.lost:
+            grace_s = 0.0
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
             try:

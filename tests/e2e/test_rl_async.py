@@ -93,8 +93,10 @@ def test_a_lagged_run_resumes_to_the_uninterrupted_metrics(tiny_assets, rl_asset
 
 
 def worker_pids(run_dir) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if any("rollout_worker:main" in a for a in p.info["cmdline"] or [])
+    """The rollout worker processes of the run in RUN_DIR; not the `srun` that started them under Slurm (its
+    command line names the same entry point and config)."""
+    return [p.pid for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["name"] != "srun" and any("rollout_worker:main" in a for a in p.info["cmdline"] or [])
             and any(str(run_dir) in a for a in p.info["cmdline"] or [])]
 
 
