@@ -112,6 +112,9 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
             _stop(procs)
             raise _rank_failure(failed, procs, log_dir)
         if any(p.returncode == EXIT_PREEMPTED for p in procs):
+            reported = _user_report(procs, log_dir)  # stopped by a user's error that exits 75, not on request
+            if reported is not None:
+                raise reported
             why = "on SIGUSR1" if asked else "(exit 75; rank 0 said why above)"
             raise RanksPreempted(f"{nproc} ranks stopped at a checkpoint {why}; resume with the same run_dir")
     finally:
@@ -124,14 +127,23 @@ def launch(entry: str, args: list[str], nproc: int, log_dir: str | Path | None =
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _rank_failure(first: int, procs, log_dir: Path) -> RankFailed:
-    """The first failed rank that reported a user's mistake (its peers then fail on broken connections),
-    else the first failed rank, with its traceback."""
-    failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0, EXIT_PREEMPTED, -signal.SIGTERM)]
-    for rank in sorted(failed, key=lambda r: r != first):
+def _user_report(procs, log_dir: Path, first: int | None = None) -> RankFailed | None:
+    """The one line of a rank that ended on a user's mistake (`first` before the others), whatever its exit
+    code: a lost rollout worker exits 75, as a stop on request does, but only the former leaves a report."""
+    ended = [r for r, p in enumerate(procs) if p.returncode not in (None, 0, -signal.SIGTERM)]
+    for rank in sorted(ended, key=lambda r: r != first):
         report = read_rank_error(log_dir / f"rank_{rank}.error")
         if report and report["user"]:
             return RankFailed(report["message"], report["exit_code"])
+    return None
+
+
+def _rank_failure(first: int, procs, log_dir: Path) -> RankFailed:
+    """The first failed rank that reported a user's mistake (its peers then fail on broken connections),
+    else the first failed rank, with its traceback."""
+    reported = _user_report(procs, log_dir, first)
+    if reported is not None:
+        return reported
     code = procs[first].returncode
     report = read_rank_error(log_dir / f"rank_{first}.error")
     detail = report["message"] if report else ""

@@ -21,3 +21,12 @@ def test_failing_rank_traceback_is_reported(tmp_path):
     assert message.startswith("rank 1 failed with exit code 1")
     assert "ValueError: rank one refuses: boom" in message
     assert "Traceback" in message
+
+
+def test_a_rank_that_lost_a_rollout_worker_is_reported_not_the_peer_that_failed_after_it(tmp_path):
+    """Rank 0's one line (exit 75, resume) is the report, although 75 is also a rank's code for a stop on request
+    and rank 1 was the one that exited with a failure (its connection to rank 0 broke)."""
+    with pytest.raises(RankFailed) as err:
+        launch("tests.launch_workers:lose_a_worker_on_rank_zero", ["w0.log"], 2, log_dir=tmp_path)
+    assert str(err.value).startswith("error: rollout worker 0 (TP rank 0) exited with code -9, log: w0.log"), err.value
+    assert err.value.exit_code == 75
