@@ -250,7 +250,9 @@ class ServerConfig:
     max_queue_delay_us: int = 2000  # dynamic batcher: how long a request may wait to be merged
     max_seq_length: Optional[int] = None  # longest accepted request (tokens); None = the model's seq_length
     forward_micro_batch_size: int = 8  # rows per forward pass on each data-parallel rank
-    exit_timeout_s: int = 3  # how long tritonserver waits for in-flight requests when stopping
+    # how long tritonserver waits for in-flight requests and model unloads when stopping (its own default: 30);
+    # at 3 a loaded machine's stub could miss it and outlive tritonserver (a model unloads in ~2 s under load)
+    exit_timeout_s: int = 10
     log_file: Optional[str] = None  # tritonserver's own log; None = <run_dir>/tritonserver.log
     ready_file: Optional[str] = None  # JSON {pid, url, models} written once every model is served
 

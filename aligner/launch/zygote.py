@@ -45,6 +45,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from aligner.errors import end_process
+
 ZYGOTE_VARIABLE = "ALIGNER_ZYGOTE"
 # what a rank, a command or a server imports before its first line of work (the seconds a fork saves)
 PRELOAD = ("torch", "torch._dynamo", "numpy", "transformers", "safetensors", "omegaconf", "megatron.core",
@@ -197,12 +199,7 @@ def _exit(code: int) -> None:
         threading._shutdown()  # wait for non-daemon threads, as the interpreter does first  # noqa: SLF001
         atexit._run_exitfuncs()  # noqa: SLF001
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        end_process(code)
 
 
 def _entries(pythonpath: str | None) -> list[str]:

@@ -9,6 +9,7 @@ process tree is left after the grace period; only processes of that tree are eve
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -68,7 +69,8 @@ class ServerProcess:
         self.env.update(env or {})
         self.proc: subprocess.Popen | None = None
         self._terminated = False
-        self.tree: set[int] = set()  # every pid seen in the server's process tree
+        # every process seen in the server's tree (psutil.Process: a pid reused since is not taken for it)
+        self.tree: dict[int, psutil.Process] = {}
 
     def start(self) -> "ServerProcess":
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +78,7 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
-        self.tree = {self.proc.pid}
+        self.tree = {self.proc.pid: psutil.Process(self.proc.pid)}
         self._terminated = False
         return self
 
@@ -87,7 +89,8 @@ class ServerProcess:
             return []
 
     def _remember_tree(self) -> None:
-        self.tree |= {p.pid for p in self._descendants()}
+        for p in self._descendants():
+            self.tree.setdefault(p.pid, p)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -120,26 +123,31 @@ class ServerProcess:
         """The pid that hosts PyTriton (rank 0), from the ready file."""
         return json.loads(self.ready_file.read_text())["pid"]
 
-    def alive(self) -> list[int]:
-        """Pids of the server's tree that still run (zombies excluded)."""
+    def _running(self) -> list[psutil.Process]:
         running = []
-        for pid in self.tree:
+        for p in self.tree.values():
             try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    running.append(pid)
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    running.append(p)
             except psutil.NoSuchProcess:
                 pass
         return running
 
+    def alive(self) -> list[int]:
+        """Pids of the server's tree that still run (zombies excluded)."""
+        return [p.pid for p in self._running()]
+
     def kill(self) -> None:
-        """SIGKILL the whole server tree at once (a crash)."""
+        """SIGKILL the whole server tree at once (a crash); returns once every process of it is gone."""
         self._remember_tree()
-        for pid in self.alive():
+        running = self._running()
+        for p in running:
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                p.kill()
+            except psutil.NoSuchProcess:
                 pass
         self.proc.wait()
+        psutil.wait_procs(running, timeout=10)
 
     def terminate(self) -> None:
         """SIGTERM (once) without waiting: stop several servers at once, then `stop` each."""
@@ -162,7 +170,12 @@ class ServerProcess:
         deadline = time.monotonic() + 10
         while self.alive() and time.monotonic() < deadline:  # stubs and tritonserver wind down after their parent
             time.sleep(0.2)
-        if self.alive():
+        if left := self._running():
+            with open(self.log_path, "a") as log:  # which process outlived its server, for whoever reads the log
+                for p in left:
+                    with contextlib.suppress(psutil.Error):
+                        log.write(f"aligner: killing pid {p.pid} ({' '.join(p.cmdline())[:200]}), still running "
+                                  f"10 s after the {self.kind} server's exit\n")
             self.kill()
         return self.proc.wait()
 

@@ -210,7 +210,8 @@ def test_serve_config_defaults(tmp_path):
     from aligner.servers.config import load_serve_config
 
     cfg = load_serve_config("reward", [f"checkpoint={_fake_checkpoint(tmp_path / 'rm')}"])
-    assert (cfg.server.host, cfg.server.port, cfg.server.grpc_port, cfg.server.exit_timeout_s) == ("127.0.0.1", 5555, None, 3)
+    server = cfg.server
+    assert (server.host, server.port, server.grpc_port, server.exit_timeout_s) == ("127.0.0.1", 5555, None, 10)
     assert load_serve_config("critic", [f"checkpoint={tmp_path / 'rm'}"]).server.port == 5567
 
 
