@@ -7,11 +7,12 @@ once: CLI runs and their ranks fork from it instead of paying ~5 s of imports ea
 the example's commands start fresh; ALIGNER_TEST_ZYGOTE=0 turns it off).
 
 README's command runs the suite on two pytest-xdist workers, a test file at a time each (`--dist loadfile`: a
-file's module fixtures are built once). With `--unit-lane` (README's command) one worker runs tests/unit and
-nothing else, at the lowest CPU priority, on the cycles the other worker's tests leave idle; without it, both
-take any file. The workers share the zygote, the session's built assets (built once, under a file lock, in the
-session's shared folder) and the local Slurm cluster; a test marked `solo` (a timing-sensitive one) runs while no
-other test does; Slurm tests run one at a time."""
+file's module fixtures are built once). With `--unit-lane` (README's command) one worker runs tests/unit, then
+the BACKGROUND files once the example is done, at the lowest CPU priority, on the cycles the other worker's tests
+leave idle (with a zygote of its own); the other worker runs everything else; without it, both take any file. The
+workers share the session's built assets (built once, under a file lock, in the session's shared folder) and the
+local Slurm cluster; a test marked `solo` (a timing-sensitive one) runs while no other test does; Slurm tests run
+one at a time."""
 from __future__ import annotations
 
 import fcntl
@@ -37,6 +38,18 @@ TIERS = ("unit", "integration", "e2e")
 # the longest files first, so that no worker starts one of them when the rest of the suite is nearly done
 LONGEST_FIRST = ("tests/e2e/test_example.py", "tests/e2e/test_device_kit.py", "tests/e2e/test_ppo.py",
                  "tests/e2e/test_rl_async.py")
+# Files that the unit lane runs too, after tests/unit and once the example is done (UnitLane), on the cycles the
+# other worker's tests leave idle: CLI runs and in-process checks that assert numbers, not timings, start no
+# server and no Slurm job, and whose deadlines a starved minute cannot reach. The other worker takes the last
+# of them once its own files are done. Longest first.
+BACKGROUND = tuple(f"tests/{name}.py" for name in (
+    "e2e/test_rl_loop", "integration/test_generation_engine", "e2e/test_rm", "integration/test_plan_memory",
+    "e2e/test_preference", "e2e/test_kd", "e2e/test_errors", "e2e/test_steerlm", "e2e/test_spin",
+    "e2e/test_lora_trainers", "integration/test_plan_defaults", "e2e/test_quantized_export", "e2e/test_lora",
+    "integration/test_preference_parity", "e2e/test_trackers", "e2e/test_rs", "integration/test_lora",
+    "integration/test_parallel_parity", "integration/test_cpu_memory", "integration/test_hf_convert",
+    "e2e/test_doctor", "e2e/test_report", "e2e/test_plan"))
+WAIT = "(wait)"  # UnitLane: nothing for this worker yet, but there will be
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,15 +74,17 @@ UNIT_LANE_WORKER = "gw1"  # with --unit-lane, the worker that runs tests/unit, a
 
 def pytest_addoption(parser):
     parser.addoption("--unit-lane", action="store_true",
-                     help="with -n 2 --dist loadfile: one worker runs tests/unit at the lowest CPU priority, on the "
-                          "cycles the other worker's tests leave idle; the other runs everything else (module doc)")
+                     help="with -n 2 --dist loadfile: one worker runs tests/unit and the BACKGROUND files at the lowest "
+                          "CPU priority, on the cycles the other worker's tests leave idle; the other runs everything "
+                          "else (module doc)")
 
 
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile, but the solo tests (module doc) are one unit, run last: a solo test waits for the test the
     other worker is running, and at the end that is a short one, not the example's ten minutes. The controller
     does not collect: the workers name the solo tests in the shared folder before they report their collection.
-    With --unit-lane, tests/unit is one more unit, which only UNIT_LANE_WORKER runs, and it runs nothing else."""
+    With --unit-lane, tests/unit is one more unit, which only UNIT_LANE_WORKER runs; then it runs the BACKGROUND
+    files, once the example has ended (before, its lowest priority would starve them), and nothing else."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling  # only where xdist runs the suite
@@ -87,26 +102,46 @@ def pytest_xdist_make_scheduler(config, log):
             scope = super()._split_scope(nodeid)
             return "unit" if scope.startswith("tests/unit/") else scope
 
+        def _busy(self, scope: str) -> bool:
+            """`scope` is waiting or has tests still to run."""
+            return scope in self.workqueue or any(
+                not all(work.get(scope, {}).values()) for work in self.assigned_work.values())
+
         def _next_scope(self, node) -> str | None:
-            """The first waiting unit of `node`'s lane: tests/unit on UNIT_LANE_WORKER, anything else elsewhere."""
-            unit_lane = node.gateway.id == UNIT_LANE_WORKER
-            return next((scope for scope in self.workqueue if (scope == "unit") == unit_lane), None)
+            """The unit of work `node` takes next (BACKGROUND), WAIT while there is none for it yet, or None."""
+            def first(lane):
+                return next((scope for scope in lane if scope in self.workqueue), None)
+            if node.gateway.id != UNIT_LANE_WORKER:  # its own files, then helps with BACKGROUND's last ones
+                return next((scope for scope in self.workqueue if scope != "unit" and scope not in BACKGROUND),
+                            first(BACKGROUND[::-1]))
+            if "unit" in self.workqueue:
+                return "unit"
+            if first(BACKGROUND) is None:
+                return None
+            return WAIT if self._busy(LONGEST_FIRST[0]) else first(BACKGROUND)
 
         def _assign_work_unit(self, node) -> None:
             scope = self._next_scope(node)
             if scope is None:
                 node.shutdown()
-                return
-            self.workqueue.move_to_end(scope, last=False)  # the base class takes the queue's first unit
-            super()._assign_work_unit(node)
+            elif scope != WAIT:
+                self.workqueue.move_to_end(scope, last=False)  # the base class takes the queue's first unit
+                super()._assign_work_unit(node)
 
         def _reschedule(self, node) -> None:
             if node.shutting_down:
                 return
-            if self._next_scope(node) is None:
+            scope = self._next_scope(node)
+            if scope is None:
                 node.shutdown()  # it ends once its pending tests have run
-            elif self._pending_of(self.assigned_work[node]) <= 2:
+            elif scope != WAIT and self._pending_of(self.assigned_work.get(node, {})) <= 2:
                 self._assign_work_unit(node)
+
+        def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            for other in self.nodes:  # the unit lane may be waiting for the example to end
+                if other is not node:
+                    self._reschedule(other)
 
     return (UnitLane if config.getvalue("unit_lane") else SoloLast)(config, log)
 
@@ -172,9 +207,13 @@ def pytest_configure(config):
     its zygote; processes start without the zygote until its imports are done (module doc)."""
     global _zygote, _owns_shared
     # (a worker's own "dist" option reads "no": the controller's scheduler, UnitLane, is what gives it only tests/unit)
-    if config.getoption("unit_lane") and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER:
-        to_lowest_priority()  # this worker will run only tests/unit (UnitLane)
+    unit_lane = config.getoption("unit_lane") and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER
+    if unit_lane:  # this worker will run only tests/unit and BACKGROUND (UnitLane)
+        to_lowest_priority()
         config.pluginmanager.register(UnitLaneDurations(), "unit-lane-durations")
+        # its own zygote, below: forked by the session's, its processes would run at that one's priority, and
+        # could not join this worker's process groups from another session (aligner/launch/zygote.py)
+        os.environ.pop(ZYGOTE_VARIABLE, None)
     if not os.environ.get(SHARED_VARIABLE):
         os.environ[SHARED_VARIABLE] = tempfile.mkdtemp(prefix="aligner-tests-")
         _owns_shared = True
