@@ -112,8 +112,9 @@ def pytest_xdist_make_scheduler(config, log):
             def first(lane):
                 return next((scope for scope in lane if scope in self.workqueue), None)
             if node.gateway.id != UNIT_LANE_WORKER:  # its own files, then helps with BACKGROUND's last ones
-                return next((scope for scope in self.workqueue if scope != "unit" and scope not in BACKGROUND),
-                            first(BACKGROUND[::-1]))
+                alone = all(other.gateway.id != UNIT_LANE_WORKER for other in self.nodes)  # xdist shut it: no work
+                return next((scope for scope in self.workqueue
+                             if (alone or scope != "unit") and scope not in BACKGROUND), first(BACKGROUND[::-1]))
             if "unit" in self.workqueue:
                 return "unit"
             if first(BACKGROUND) is None:

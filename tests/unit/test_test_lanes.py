@@ -31,9 +31,7 @@ COLLECTION = [f"{EXAMPLE}::test_a", f"{EXAMPLE}::test_b", f"{EXAMPLE}::test_c", 
               *(f"{path}::test_{i}" for path in (BACKGROUND[0], BACKGROUND[1], BACKGROUND[-1]) for i in range(3))]
 
 
-@pytest.fixture
-def lanes(tmp_path, monkeypatch):
-    monkeypatch.setenv(SHARED_VARIABLE, str(tmp_path))
+def start(tmp_path, collection: list[str]):
     (tmp_path / "solo-tests.txt").write_text(f"{PPO}::test_stalled")
     options = {"dist": "loadfile", "unit_lane": True, "tx": ["2*popen"]}
     config = SimpleNamespace(getvalue=options.get, option=SimpleNamespace(loadscopereorder=False))
@@ -41,9 +39,15 @@ def lanes(tmp_path, monkeypatch):
     main, unit = Worker("gw0"), Worker(UNIT_LANE_WORKER)
     for worker in (main, unit):
         scheduler.add_node(worker)
-        scheduler.add_node_collection(worker, COLLECTION)
+        scheduler.add_node_collection(worker, collection)
     scheduler.schedule()
     return scheduler, main, unit
+
+
+@pytest.fixture
+def lanes(tmp_path, monkeypatch):
+    monkeypatch.setenv(SHARED_VARIABLE, str(tmp_path))
+    return start(tmp_path, COLLECTION)
 
 
 def files(worker) -> list[str]:
@@ -83,3 +87,11 @@ def test_the_main_lane_runs_its_own_files_and_solo_tests_first_then_the_last_bac
     run(scheduler, unit, BACKGROUND[1])
     assert main.shutting_down and unit.shutting_down
     assert sorted(main.sent + unit.sent) == list(range(len(COLLECTION)))  # every test sent once
+
+
+def test_with_only_unit_tests_the_remaining_worker_runs_them(tmp_path, monkeypatch):
+    """One unit of work for two workers: xdist shuts the last added one (here the unit lane's) down at once."""
+    monkeypatch.setenv(SHARED_VARIABLE, str(tmp_path))
+    units = [test for test in COLLECTION if test.startswith("tests/unit/")]
+    scheduler, main, unit = start(tmp_path, units)
+    assert unit.shutting_down and sorted(main.sent) == [0, 1]
