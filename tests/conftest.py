@@ -207,10 +207,9 @@ def pytest_configure(config):
     """The session's shared folder (made by the controller or a plain session; xdist workers inherit it), and
     its zygote; processes start without the zygote until its imports are done (module doc)."""
     global _zygote, _owns_shared
-    # (a worker's own "dist" option reads "no": the controller's scheduler, UnitLane, is what gives it only tests/unit)
-    unit_lane = config.getoption("unit_lane") and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER
-    if unit_lane:  # this worker will run only tests/unit and BACKGROUND (UnitLane)
-        to_lowest_priority()
+    # (a worker's own "dist" option reads "no": the controller's scheduler, UnitLane, is what gives it its files)
+    if config.getoption("unit_lane") and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER:
+        to_lowest_priority()  # this worker will run only tests/unit and BACKGROUND (UnitLane)
         config.pluginmanager.register(UnitLaneDurations(), "unit-lane-durations")
         # its own zygote, below: forked by the session's, its processes would run at that one's priority, and
         # could not join this worker's process groups from another session (aligner/launch/zygote.py)

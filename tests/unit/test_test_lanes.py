@@ -31,7 +31,8 @@ COLLECTION = [f"{EXAMPLE}::test_a", f"{EXAMPLE}::test_b", f"{EXAMPLE}::test_c", 
               *(f"{path}::test_{i}" for path in (BACKGROUND[0], BACKGROUND[1], BACKGROUND[-1]) for i in range(3))]
 
 
-def start(tmp_path, collection: list[str]):
+def start(tmp_path, monkeypatch, collection: list[str]):
+    monkeypatch.setenv(SHARED_VARIABLE, str(tmp_path))  # where the workers name the solo tests
     (tmp_path / "solo-tests.txt").write_text(f"{PPO}::test_stalled")
     options = {"dist": "loadfile", "unit_lane": True, "tx": ["2*popen"]}
     config = SimpleNamespace(getvalue=options.get, option=SimpleNamespace(loadscopereorder=False))
@@ -46,8 +47,7 @@ def start(tmp_path, collection: list[str]):
 
 @pytest.fixture
 def lanes(tmp_path, monkeypatch):
-    monkeypatch.setenv(SHARED_VARIABLE, str(tmp_path))
-    return start(tmp_path, COLLECTION)
+    return start(tmp_path, monkeypatch, COLLECTION)
 
 
 def files(worker) -> list[str]:
@@ -91,7 +91,6 @@ def test_the_main_lane_runs_its_own_files_and_solo_tests_first_then_the_last_bac
 
 def test_with_only_unit_tests_the_remaining_worker_runs_them(tmp_path, monkeypatch):
     """One unit of work for two workers: xdist shuts the last added one (here the unit lane's) down at once."""
-    monkeypatch.setenv(SHARED_VARIABLE, str(tmp_path))
     units = [test for test in COLLECTION if test.startswith("tests/unit/")]
-    scheduler, main, unit = start(tmp_path, units)
+    scheduler, main, unit = start(tmp_path, monkeypatch, units)
     assert unit.shutting_down and sorted(main.sent) == [0, 1]
