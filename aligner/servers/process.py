@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from aligner.launch import zygote
 from aligner.servers.client import EndpointClient
 
 MODELS = {"reward": ("reward_model",), "critic": ("critic_infer", "critic_train", "critic_save"),
@@ -76,8 +77,8 @@ class ServerProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+            self.proc = zygote.popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
         self.tree = {self.proc.pid: psutil.Process(self.proc.pid)}
         self._terminated = False
         return self

@@ -29,7 +29,7 @@ aligner train dpo run_dir=$T/dpo_lora model.pretrained=$SFT data.train_path=$T/p
 
 aligner train ppo run_dir=$T/ppo_lora model.pretrained=$SFT reward.checkpoint=$T/rm/checkpoints/step_001600 \
   data.train_path=$T/rl_train.jsonl data.val_path=$T/rl_val.jsonl reward.val_functions=[arithmetic] \
-  trainer.max_steps=100 trainer.val_interval=50 algorithm.prompts_per_step=256 trainer.global_batch_size=64 \
+  trainer.max_steps=50 trainer.val_interval=25 algorithm.prompts_per_step=256 trainer.global_batch_size=64 \
   trainer.micro_batch_size=64 critic.trainer.global_batch_size=64 critic.trainer.micro_batch_size=64 \
   algorithm.critic_warmup_steps=10 sampling.max_new_tokens=4 sampling.temperature=0.7 optim.lr=1e-3 optim.min_lr=1e-3 \
   algorithm.kl.coef=0.5 algorithm.ppo_epochs=2 critic.optim.lr=3e-3 critic.optim.min_lr=3e-3 \

@@ -46,11 +46,11 @@ aligner generate --model $T/dpo/checkpoints/step_000100 --prompts $T/prompts.jso
   sampling.greedy=true sampling.max_new_tokens=12
 
 # PPO: the reward model above scores, served with the critic (initialised from it) by the service this run starts;
-# 256 prompts x 1 sample per step, sampled at temperature 0.7, 2 epochs of 4 optimizer steps of 64; the first 10 steps
-# train only the critic; KL 0.5, under which the reward model's best policy is right more often than the SFT policy
+# 256 prompts x 1 sample per step, sampled at temperature 0.7, 2 epochs of 4 optimizer steps of 64; the first 10 of 50
+# steps train only the critic; KL 0.5, under which the reward model's best policy is right more often than the SFT policy
 aligner train ppo run_dir=$T/ppo model.pretrained=$SFT reward.checkpoint=$T/rm/checkpoints/step_001600 \
   data.train_path=$T/rl_train.jsonl data.val_path=$T/rl_val.jsonl reward.val_functions=[arithmetic] \
-  trainer.max_steps=100 trainer.val_interval=50 algorithm.prompts_per_step=256 trainer.global_batch_size=64 \
+  trainer.max_steps=50 trainer.val_interval=25 algorithm.prompts_per_step=256 trainer.global_batch_size=64 \
   trainer.micro_batch_size=64 critic.trainer.global_batch_size=64 critic.trainer.micro_batch_size=64 \
   algorithm.critic_warmup_steps=10 sampling.max_new_tokens=4 sampling.temperature=0.7 optim.lr=1e-4 optim.min_lr=1e-4 \
   algorithm.kl.coef=0.5 algorithm.ppo_epochs=2 critic.optim.lr=3e-4 critic.optim.min_lr=3e-4 "${common[@]}"

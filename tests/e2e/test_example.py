@@ -12,17 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics
+from tests.conftest import FRESH, read_metrics
 from tests.e2e.test_report import ARTIFACTS, open_in_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def start(script: str, out: Path, logs: Path) -> subprocess.Popen:
-    """`bash examples/tiny/SCRIPT` on TINY_OUT=`out`, in a session of its own, its output in `logs`/SCRIPT.*."""
+    """`bash examples/tiny/SCRIPT` on TINY_OUT=`out`, in a session of its own, its output in `logs`/SCRIPT.*; every
+    process of it starts fresh, as in a user's shell (the session's zygote would otherwise start its servers)."""
     with open(logs / f"{script}.out", "w") as stdout, open(logs / f"{script}.err", "w") as stderr:
-        return subprocess.Popen(["bash", str(ROOT / "examples/tiny" / script)], env={**os.environ, "TINY_OUT": str(out)},
-                                stdout=stdout, stderr=stderr, start_new_session=True)
+        return subprocess.Popen(["bash", str(ROOT / "examples/tiny" / script)],
+                                env={**os.environ, **FRESH, "TINY_OUT": str(out)}, stdout=stdout, stderr=stderr,
+                                start_new_session=True)
 
 
 def finish(process: subprocess.Popen, script: str, logs: Path, deadline: float) -> subprocess.CompletedProcess:
@@ -94,14 +96,15 @@ def test_tiny_example_runs_end_to_end(example):
                                                       result.stdout).groups())
     print(f"DPO greedy accuracy on 256 held-out prompts: SFT {sft_accuracy}, DPO {dpo_accuracy}")
     assert dpo_accuracy >= sft_accuracy + 0.05
-    # PPO from the SFT checkpoint with the example's (centred, near-miss) reward model, served with the critic: the
-    # greedy held-out accuracy rose 0.500 -> 0.672 here (README, "PPO with the critic service", has the seeds), the
-    # reward model's score with it, kl/mean <= 0.42. The check leaves room for another CPU's trajectory.
+    # PPO from the SFT checkpoint with the example's (centred, near-miss) reward model, served with the critic: in
+    # 50 steps the greedy held-out accuracy rose 0.504 -> 0.629 and 0.680 here (trainer.seed 1234 and 1; README, "PPO
+    # with the critic service"), the reward model's score 0.19 -> 1.39 and 1.51, kl/mean <= 0.40. The check leaves
+    # room for another CPU's trajectory.
     ppo = read_metrics(tmp_path / "ppo")
     val = [m for m in ppo if "val/reward/mean" in m]
-    print("PPO held-out reward-model score and greedy accuracy at steps 0, 50, 100:",
+    print("PPO held-out reward-model score and greedy accuracy at steps 0, 25, 50:",
           [(round(m["val/reward/mean"], 3), m["val/arithmetic_answer/mean"]) for m in val])
-    assert [m["step"] for m in ppo] == list(range(101)) and [m["step"] for m in val] == [0, 50, 100]
+    assert [m["step"] for m in ppo] == list(range(51)) and [m["step"] for m in val] == [0, 25, 50]
     assert val[-1]["val/reward/mean"] >= val[0]["val/reward/mean"] + 0.3
     assert val[-1]["val/arithmetic_answer/mean"] >= val[0]["val/arithmetic_answer/mean"] + 0.08
     assert all(m["kl/mean"] < 0.7 for m in ppo[1:])
@@ -134,12 +137,13 @@ def test_lora_example_learns_beside_full_training(example):
     # DPO: validation pair accuracy within 0.05 of full DPO's (0.766 against 0.797 here)
     full, adapted = read_metrics(out / "dpo")[-1], read_metrics(out / "dpo_lora")[-1]
     assert adapted["val/accuracy"] >= full["val/accuracy"] - 0.05
-    # PPO with LoRA actor and critic: the reward model's held-out score rises, KL bounded
+    # PPO with LoRA actor and critic: the reward model's held-out score rises (0.19 -> 1.43 and 1.41 in 50 steps
+    # here, trainer.seed 1234 and 1), KL bounded
     ppo = read_metrics(out / "ppo_lora")
     val = [m for m in ppo if "val/reward/mean" in m]
-    assert [m["step"] for m in val] == [0, 50, 100] and val[-1]["val/reward/mean"] >= val[0]["val/reward/mean"] + 0.3
+    assert [m["step"] for m in val] == [0, 25, 50] and val[-1]["val/reward/mean"] >= val[0]["val/reward/mean"] + 0.3
     assert all(m["kl/mean"] < 0.7 for m in ppo[1:])
-    meta = json.loads((out / "ppo_lora/critic/checkpoints/step_000100/aligner.json").read_text())
+    meta = json.loads((out / "ppo_lora/critic/checkpoints/step_000050/aligner.json").read_text())
     assert meta["lora"]["rank"] == 16 and meta["lora"]["trained_head"]
 
 

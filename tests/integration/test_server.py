@@ -389,6 +389,10 @@ def test_killed_server_costs_errors_not_zeros_and_the_client_reconnects(world, r
 def test_servers_stop_cleanly_and_leave_nothing_behind(world):
     import shutil
 
+    from aligner.launch.zygote import ZygoteProcess, zygote_socket
+
+    # forked from the session's zygote when one runs (ALIGNER_TEST_ZYGOTE=0: fresh), and clean either way
+    assert {isinstance(server.proc, ZygoteProcess) for server in world["servers"].values()} == {bool(zygote_socket())}
     model_dirs = triton_model_dirs()  # now, with the servers up
     ours = set()  # the running servers' workspaces: their tritonserver runs from there
     for server in world["servers"].values():
