@@ -14,9 +14,8 @@ when `ALIGNER_ZYGOTE` names a live one in the requester's session (or the child 
 else a plain Popen. A child can join the requester's process group only from the same session, so a server,
 which runs in a session of its own, starts its ranks as plain processes; the server itself (servers/process.py)
 forks, in a session of its own: ready in ~2.5 s of CPU against ~9 s fresh (a critic service, 2026-12-07). Only a
-process's parent can wait for it, so the
-zygote sends each child's wait status back on the request's connection, and `ZygoteProcess` (a Popen) reads it
-there; signals go to the child's pid directly.
+process's parent can wait for it, so the zygote sends each child's wait status back on the request's connection,
+and `ZygoteProcess` (a Popen) reads it there; signals go to the child's pid directly.
 
 What differs from a fresh interpreter: dependencies' import-time warnings were shown once, by the zygote;
 hash randomisation is the zygote's; the process's parent is the zygote, and its command line in /proc and ps

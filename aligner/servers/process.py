@@ -1,4 +1,5 @@
-"""Start, await and stop an `aligner serve <kind>` process (tests, benchmarks, local launchers).
+"""Start, await and stop an `aligner serve <kind>` process (tests, benchmarks, local launchers); it forks
+from a live zygote when `ALIGNER_ZYGOTE` names one (aligner/launch/zygote.py), else starts fresh.
 
 Ready means all of: the process still runs; it wrote its ready file (after every model loaded);
 the pid in that file is the process or one of its descendants; every model answers its HTTP

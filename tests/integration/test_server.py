@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
+from aligner.launch.zygote import ZygoteProcess, zygote_socket
 from tests.server_workers import free_port_block, make_reward_checkpoint, triton_model_dirs, triton_scratch_dirs
 
 pytestmark = pytest.mark.dist
@@ -388,8 +389,6 @@ def test_killed_server_costs_errors_not_zeros_and_the_client_reconnects(world, r
 @pytest.mark.solo  # /tmp is the machine's: no other test's servers start or die meanwhile
 def test_servers_stop_cleanly_and_leave_nothing_behind(world):
     import shutil
-
-    from aligner.launch.zygote import ZygoteProcess, zygote_socket
 
     # forked from the session's zygote when one runs (ALIGNER_TEST_ZYGOTE=0: fresh), and clean either way
     assert {isinstance(server.proc, ZygoteProcess) for server in world["servers"].values()} == {bool(zygote_socket())}
