@@ -103,7 +103,8 @@ def test_a_stalled_service_changes_nothing_a_killed_one_stops_the_run_and_the_re
     is SIGKILLed: the trainer exits 75 with one line naming the service, and re-running the command resumes
     both sides; every step, stalled or resumed, equals the uninterrupted run's."""
     run_dir = tmp_path / "run"
-    args = ppo_args(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=30")
+    # the deadline covers the 3-s stall three times over, and is how long the run then waits for the killed service
+    args = ppo_args(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=10")
     process = start_cli(*args)
 
     def wait_for(step):
@@ -123,7 +124,7 @@ def test_a_stalled_service_changes_nothing_a_killed_one_stops_the_run_and_the_re
     lines = [line for line in stderr.splitlines() if "critic service at 127.0.0.1:" in line]
     assert lines and "stopped answering" in lines[-1] and "re-run the same command to resume" in lines[-1]
     assert "Traceback" not in stderr
-    resumed = ppo(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=30")
+    resumed = ppo(tiny_assets, rl_assets, run_dir, *SIX_STEPS, "critic.timeout_s=10")
     assert [m["step"] for m in resumed] == list(range(1, 7))  # the killed run's lines, then the re-run's
     for ours, ref in zip(resumed, straight):
         for key in KEYS + ("kl/coef", "fraction/unscored"):
