@@ -15,6 +15,7 @@ Conventions:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,9 +84,16 @@ def tokenize_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[int]
     return ids, mask
 
 
+_ADDS_BOS = weakref.WeakKeyDictionary()  # tokenizer -> adds_bos: asked once, not once per sample (a tokenizer call)
+
+
 def adds_bos(tokenizer) -> bool:
-    bos = tokenizer.bos_token_id
-    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+    """Whether the tokenizer puts its bos first when it encodes text with its default special tokens."""
+    known = _ADDS_BOS.get(tokenizer)
+    if known is None:
+        bos = tokenizer.bos_token_id
+        known = _ADDS_BOS[tokenizer] = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+    return known
 
 
 def tokenize_input_output(input: str, output: str, tokenizer) -> tuple[list[int], list[int]]:
