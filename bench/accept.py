@@ -44,10 +44,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from aligner.launch import zygote  # noqa: E402  (stdlib only)
 from bench.accept_checks import CHECKS, Context  # noqa: E402
 
 MIN_CHECK_S = 20  # a check is not started with less of the budget left
 LOG_TAIL = 3000  # characters of a check's log kept in its record when it did not pass
+CHECK_MARK = "ALIGNER_ACCEPT_CHECK"  # in the environment of every process a check starts (end_tree)
 # Checks failing for a reason already filed: name -> where it is filed. Their failure is recorded as known_fail.
 KNOWN_FAILURES: dict[str, str] = {}
 
@@ -95,9 +97,10 @@ def tail(path: Path, chars: int) -> str:
         return f.read().decode(errors="replace")
 
 
-def end_tree(proc: subprocess.Popen) -> None:
-    """Kill a check's process and every process under it: its session, and descendants that started sessions
-    of their own (PPO's critic service does)."""
+def end_tree(proc: subprocess.Popen, mark: str) -> None:
+    """Kill a check's process and every process it started: its session, its descendants that started sessions
+    of their own (each run does, and PPO's critic service), and the processes that a zygote forked for it (not
+    its descendants: found by the environment variable CHECK_MARK, which they inherit)."""
     import psutil
 
     try:
@@ -105,27 +108,30 @@ def end_tree(proc: subprocess.Popen) -> None:
     except psutil.NoSuchProcess:
         descendants = []
     os.killpg(proc.pid, signal.SIGKILL)
-    for p in descendants:
+    for p in [*descendants, *psutil.process_iter()]:
         try:
-            p.kill()
-        except psutil.NoSuchProcess:
+            if p in descendants or p.environ().get(CHECK_MARK) == mark:
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     proc.wait()
 
 
 def run_check(name: str, limit: float, args, log: Path) -> tuple[dict, bool]:
-    """CHECKS[name] in a child process (its own session, so that a timeout ends everything it started):
-    (its record, whether the kit was stopped meanwhile)."""
+    """CHECKS[name] in a child process, in a session of its own (so that a timeout ends everything it started),
+    forked from a live zygote when ALIGNER_ZYGOTE names one (the test suite's: seconds of imports saved per
+    check and per run): (its record, whether the kit was stopped meanwhile)."""
     record_path = args.work / "records" / f"{name}.json"
     record_path.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    mark = f"{os.getpid()}:{name}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", CHECK_MARK: mark}
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # every run of the dry run is on the CPU, on any host
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--check", name, "--work", str(args.work),
+    cmd = [sys.executable, "-m", "bench.accept", "--check", name, "--work", str(args.work),
            *(["--dry-run"] if args.dry_run else [])]
     start = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = zygote.popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         status, stopped = None, False
         try:
             proc.wait(timeout=limit)
@@ -136,7 +142,7 @@ def run_check(name: str, limit: float, args, log: Path) -> tuple[dict, bool]:
             stopped = True
         finally:
             if proc.poll() is None:
-                end_tree(proc)
+                end_tree(proc, mark)
     seconds = time.perf_counter() - start
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     if status is not None:

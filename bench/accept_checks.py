@@ -132,7 +132,9 @@ class Context:
         """`python -m aligner.cli ARGS` on `device`, its output appended to this check's log."""
         start = time.perf_counter()
         print(f"[{self.name}] {device}: aligner {' '.join(args)}", flush=True)
-        result = zygote.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=self.env(device))
+        # a session of its own: the zygote forks only into one (the check runs in a session of its own too)
+        result = zygote.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=self.env(device),
+                            start_new_session=True)
         print(result.stdout[-4000:] + result.stderr[-8000:], flush=True)
         print(f"[{self.name}] exit {result.returncode} after {time.perf_counter() - start:.1f} s", flush=True)
         if check and result.returncode:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -213,6 +214,9 @@ def serve_bindings(server, run_dir, bindings: list[Binding], stop: threading.Eve
                         outputs=_tensors(b.endpoint.outputs), strict=True,
                         config=ModelConfig(batching=b.endpoint.batched, max_batch_size=b.max_batch_size,
                                            batcher=batcher))
+        # the models and libraries live as long as the server: out of the collector's sight, the full collection
+        # PyTriton runs as it unloads each model takes ~0 s instead of ~0.25 s
+        gc.freeze()
         with real_time_while_loading():
             triton.run()
         prioritise_stubs()
