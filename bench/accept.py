@@ -49,7 +49,6 @@ from bench.accept_checks import CHECKS, Context  # noqa: E402
 
 MIN_CHECK_S = 20  # a check is not started with less of the budget left
 LOG_TAIL = 3000  # characters of a check's log kept in its record when it did not pass
-CHECK_MARK = "ALIGNER_ACCEPT_CHECK"  # in the environment of every process a check starts (end_tree)
 # Checks failing for a reason already filed: name -> where it is filed. Their failure is recorded as known_fail.
 KNOWN_FAILURES: dict[str, str] = {}
 
@@ -97,22 +96,26 @@ def tail(path: Path, chars: int) -> str:
         return f.read().decode(errors="replace")
 
 
-def end_tree(proc: subprocess.Popen, mark: str) -> None:
+def end_tree(proc: subprocess.Popen, work: Path) -> None:
     """Kill a check's process and every process it started: its session, its descendants that started sessions
-    of their own (each run does, and PPO's critic service), and the processes that a zygote forked for it (not
-    its descendants: found by the environment variable CHECK_MARK, which they inherit)."""
+    of their own (each run does, and PPO's critic service), and the processes that a zygote forked for it, which
+    are not its descendants, with their own: those whose command line names the kit's work directory (each run's
+    paths are under it), this process and its parents aside."""
     import psutil
 
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    os.killpg(proc.pid, signal.SIGKILL)
-    for p in [*descendants, *psutil.process_iter()]:
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    victims = []
+    for p in psutil.process_iter(["cmdline"]):
         try:
-            if p in descendants or p.environ().get(CHECK_MARK) == mark:
-                p.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            if p.pid == proc.pid or (p.pid not in spared and str(work) in " ".join(p.info["cmdline"] or [])):
+                victims += [p, *p.children(recursive=True)]
+        except psutil.Error:
+            pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.Error:
             pass
     proc.wait()
 
@@ -123,8 +126,7 @@ def run_check(name: str, limit: float, args, log: Path) -> tuple[dict, bool]:
     check and per run): (its record, whether the kit was stopped meanwhile)."""
     record_path = args.work / "records" / f"{name}.json"
     record_path.unlink(missing_ok=True)
-    mark = f"{os.getpid()}:{name}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", CHECK_MARK: mark}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # every run of the dry run is on the CPU, on any host
     cmd = [sys.executable, "-m", "bench.accept", "--check", name, "--work", str(args.work),
@@ -142,7 +144,7 @@ def run_check(name: str, limit: float, args, log: Path) -> tuple[dict, bool]:
             stopped = True
         finally:
             if proc.poll() is None:
-                end_tree(proc, mark)
+                end_tree(proc, args.work)
     seconds = time.perf_counter() - start
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     if status is not None:
