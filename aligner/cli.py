@@ -34,6 +34,7 @@ from pathlib import Path
 from aligner import errors
 from aligner.errors import ArgumentParser, UsageError
 from aligner.launch.local import RanksPreempted, launch
+from aligner.launch.zygote_relay import run_forked
 from aligner.observe.logs import send_warnings_to_log, silence_expected_warnings, use_run_log_dir
 from aligner.runtime import preemption
 
@@ -317,8 +318,7 @@ def dispatch(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "serve"):  # before the heavy imports (runtime/preemption.py)
-        preemption.install()
+    _shield_from_stops(argv)
     silence_expected_warnings()
     send_warnings_to_log()  # the run's logs/ once a command knows its run directory
     try:
@@ -329,5 +329,19 @@ def main(argv: list[str] | None = None) -> int:
         return errors.handle(e)
 
 
+def _shield_from_stops(argv: list[str]) -> None:
+    if argv and argv[0] in ("train", "serve"):  # before the heavy imports (runtime/preemption.py)
+        preemption.install()
+
+
+def console() -> int:
+    """The command line's entry point (`aligner`, `python -m aligner.cli`): in a process forked from a live zygote
+    where there is one (aligner/launch/zygote_relay.py), else here."""
+    argv = sys.argv[1:]
+    _shield_from_stops(argv)  # SIGUSR1 blocked in the child from its start, as in the ranks `train` starts
+    code = run_forked("aligner.cli", argv)
+    return main(argv) if code is None else code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

@@ -4,7 +4,7 @@ local Slurm cluster, each built once per test session; running the `aligner` CLI
 run gets a clean process, like a user's) and reading its metrics; a tiny model on this one process.
 The session starts a zygote (aligner/launch/zygote.py) that has imported torch, megatron-core and aligner
 once: CLI runs, their ranks and the servers they start fork from it instead of paying ~5 s of imports each
-(Slurm jobs and the example's commands start fresh; ALIGNER_TEST_ZYGOTE=0 turns it off).
+(Slurm jobs start fresh; ALIGNER_TEST_ZYGOTE=0 turns it off).
 
 README's command runs the suite on two pytest-xdist workers, a test file at a time each (`--dist loadfile`: a
 file's module fixtures are built once). With `--unit-lane` (README's command) one worker runs tests/unit, then

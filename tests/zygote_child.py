@@ -20,7 +20,7 @@ if __name__ == "__main__":
         sys.exit(0)
     print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "marker": os.environ.get("ZYGOTE_TEST_MARKER"),
                       "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
-                      "pgid": os.getpgrp(), "sid": os.getsid(0), "main": __name__}), flush=True)
+                      "pgid": os.getpgrp(), "sid": os.getsid(0), "main": __name__, "ppid": os.getppid()}), flush=True)
     print("to stderr", file=sys.stderr)
     if what == "raise":
         raise RuntimeError("an uncaught error")

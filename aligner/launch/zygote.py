@@ -7,7 +7,7 @@ request. The child becomes `python -m MODULE ARGS...` with the requester's envir
 signal mask, process group (or a new session) and standard streams, as a freshly executed interpreter would.
 
     python -m aligner.launch.zygote SOCKET &   # imports once (seconds), then serves until its parent exits
-    ALIGNER_ZYGOTE=SOCKET aligner train ...    # its ranks start through it
+    ALIGNER_ZYGOTE=SOCKET aligner train ...    # the command, its ranks and servers start through it
 
 `popen` is what the launcher and the tests' CLI helpers call instead of subprocess.Popen: through the zygote
 when `ALIGNER_ZYGOTE` names a live one in the requester's session (or the child starts a session of its own),
@@ -104,9 +104,13 @@ def serve(path: str | Path, modules=PRELOAD) -> None:
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
+                # the child holds every signal until it takes the requester's mask: one that comes sooner (a
+                # stop asked as the command starts) waits, as it does for a fresh process that blocked it
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
                 pid = os.fork()
                 if pid == 0:
                     _become(request, fds)  # never returns: the child exits from there
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 for fd in fds:
                     os.close(fd)
                 connection.sendall(_WORD.pack(pid))
@@ -147,8 +151,17 @@ def _report_exits(children: dict[int, socket.socket]) -> None:
             connection.close()
 
 
+_forked = False  # this process is a child the zygote forked (`forked_here`)
+
+
+def forked_here() -> bool:
+    return _forked
+
+
 def _become(request: dict, fds: list[int]) -> None:
     """In the forked child: take the requester's process context, then run the module as `python -m`."""
+    # the zygote runs as __main__: the flag goes on the module that the child's code imports
+    importlib.import_module("aligner.launch.zygote")._forked = True
     zygote_pythonpath = _entries(os.environ.get("PYTHONPATH"))
     if request["new_session"]:
         os.setsid()

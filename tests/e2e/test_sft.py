@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests.conftest import assert_cli_ok, assert_metrics_match_by_step, read_metrics, run_cli
+from tests.conftest import FRESH, assert_cli_ok, assert_metrics_match_by_step, read_metrics, run_cli
 
 
 def sft_args(assets, run_dir, *extra):
@@ -34,6 +34,16 @@ def test_sft_learns_and_writes_the_run_directory(tiny_assets, tmp_path):
     for step in (20, 40):
         ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
         assert (ckpt / "COMPLETE").exists() and (ckpt / "tokenizer" / "tokenizer.json").exists()
+
+
+def test_a_fresh_command_shows_no_dependency_warnings(tiny_assets, tmp_path):
+    """A command started fresh (no zygote: a user's shell, a Slurm job) imports torch, megatron-core and
+    transformers itself, whose import-time warnings (no Transformer Engine, no Apex) must not reach the
+    terminal. (The run's own warnings going to logs/warnings.log: the example's reward model and GRPO.)"""
+    result = run_cli(*sft_args(tiny_assets, tmp_path / "run", "trainer.max_steps=1"), env=FRESH)
+    assert_cli_ok(result)
+    assert "Warning" not in result.stderr and "warn" not in result.stderr.lower(), result.stderr[-3000:]
+    assert "report: " in result.stderr  # the run's own lines do reach it
 
 
 @pytest.mark.parametrize("layout", [[], ["launcher.nproc_per_node=2", "optim.distributed_optimizer=true"]],

@@ -138,3 +138,49 @@ def test_a_requester_that_hangs_up_or_sits_in_another_session_leaves_the_zygote_
     assert other.stdout.strip() == "Popen", other.stderr
     process = through("report", "0", stdout=subprocess.PIPE, text=True)
     assert json.loads(process.communicate(timeout=30)[0])["argv"] == ["report", "0"] and process.returncode == 0
+
+
+# what `aligner` runs first (aligner/cli.py console), then a pause: a stop can be asked before the child exists
+RELAY = ("import sys; from aligner.runtime import preemption; from aligner.launch.zygote_relay import run_forked; "
+         "preemption.install(); print('relay ready', flush=True); sys.stdin.readline(); "
+         "sys.exit(run_forked('tests.zygote_child', sys.argv[1:]))")
+
+
+def _relay(zygote_path: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, zygote.ZYGOTE_VARIABLE: zygote_path, "PYTHONPATH": str(REPO)}
+    env.pop("SLURM_JOB_ID", None)
+    relay = subprocess.Popen([sys.executable, "-c", RELAY, *args], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert relay.stdout.readline() == "relay ready\n"
+    return relay
+
+
+def test_a_relayed_command_runs_in_the_zygotes_child_which_gets_the_relays_signals_and_exit(light_zygote):
+    """aligner/launch/zygote_relay.py: the command runs in a child of the zygote, started with SIGUSR1 blocked;
+    a stop sent to the relaying process before the child exists, or while it runs, reaches the child; the relay
+    exits with the child's status, or by the signal that ended it."""
+    report = _relay(light_zygote, "report", "3")
+    out, _ = report.communicate("\n", timeout=60)
+    seen = json.loads(out)
+    assert report.returncode == 3 and seen["ppid"] != report.pid and seen["pgid"] == os.getpgid(0)
+    assert int(signal.SIGUSR1) in seen["blocked"]
+    for early in (True, False):
+        relay = _relay(light_zygote, "preempt")
+        if early:
+            relay.send_signal(signal.SIGUSR1)
+        relay.stdin.write("\n")
+        relay.stdin.flush()
+        assert relay.stdout.readline() == "shielded\n"
+        if not early:
+            relay.send_signal(signal.SIGUSR1)
+        assert relay.stdout.readline() == "requested\n", early
+        assert relay.wait(timeout=30) == 0
+        relay.stdout.close()
+    sleeper = _relay(light_zygote, "sleep")
+    sleeper.stdin.write("\n")
+    sleeper.stdin.flush()
+    child = json.loads(sleeper.stdout.readline())
+    assert psutil.Process(child["ppid"]).cmdline()[:2] == [sys.executable, "-c"]  # the zygote's, not the relay's
+    sleeper.send_signal(signal.SIGTERM)
+    assert sleeper.wait(timeout=30) == -signal.SIGTERM
+    sleeper.stdout.close()
