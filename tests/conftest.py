@@ -11,8 +11,8 @@ file's module fixtures are built once). With `--unit-lane` (README's command) on
 the BACKGROUND files once the example is done, at the lowest CPU priority, on the cycles the other worker's tests
 leave idle (with a zygote of its own); the other worker runs everything else; without it, both take any file. The
 workers share the session's built assets (built once, under a file lock, in the session's shared folder) and the
-local Slurm cluster; a test marked `solo` (a timing-sensitive one) runs while no other test does; Slurm tests run
-one at a time."""
+local Slurm cluster; a test marked `solo` (a timing-sensitive one) runs while no other test does, but for the unit
+lane's (at the lowest priority, they take only the cycles it leaves idle); Slurm tests run one at a time."""
 from __future__ import annotations
 
 import fcntl
@@ -48,7 +48,11 @@ BACKGROUND = tuple(f"tests/{name}.py" for name in (
     "e2e/test_lora_trainers", "integration/test_plan_defaults", "e2e/test_quantized_export", "e2e/test_lora",
     "integration/test_preference_parity", "e2e/test_trackers", "e2e/test_rs", "integration/test_lora",
     "integration/test_parallel_parity", "integration/test_cpu_memory", "integration/test_hf_convert",
-    "e2e/test_doctor", "e2e/test_report", "e2e/test_plan"))
+    "e2e/test_doctor", "e2e/test_report", "e2e/test_recipes", "integration/test_rl_output_positions",
+    "integration/test_megatron_jit", "integration/test_weight_stream_collectives", "integration/test_lora_peft",
+    "integration/test_rm_hf", "integration/test_generation_backends", "integration/test_te_spec",
+    "integration/test_hf_weights", "integration/test_collectives", "integration/test_kd_parity",
+    "integration/test_training_wrap", "e2e/test_plan"))
 WAIT = "(wait)"  # UnitLane: nothing for this worker yet, but there will be
 
 
@@ -183,6 +187,10 @@ class UnitLaneDurations:
         yield from self._timed("teardown")
 
 
+def _in_unit_lane(config) -> bool:
+    return bool(config.getoption("unit_lane")) and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER
+
+
 def to_lowest_priority() -> None:
     """This process (and what it starts) runs only on cycles nothing else wants: a session of its own, whose
     autogroup gets the lowest weight (with the kernel's session autogroups, a plain nice value weighs only against
@@ -208,7 +216,7 @@ def pytest_configure(config):
     its zygote; processes start without the zygote until its imports are done (module doc)."""
     global _zygote, _owns_shared
     # (a worker's own "dist" option reads "no": the controller's scheduler, UnitLane, is what gives it its files)
-    if config.getoption("unit_lane") and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER:
+    if _in_unit_lane(config):
         to_lowest_priority()  # this worker will run only tests/unit and BACKGROUND (UnitLane)
         config.pluginmanager.register(UnitLaneDurations(), "unit-lane-durations")
         # its own zygote, below: forked by the session's, its processes would run at that one's priority, and
@@ -257,7 +265,12 @@ def built_once(name: str, build) -> Path:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A `solo` test (its fixtures' set-up included) holds the session's lock alone, every other test holds it
-    shared. A test queues at the turnstile first, so that a solo test waits only for the tests already running."""
+    shared, but for the unit lane's, which run at the lowest priority (`to_lowest_priority`: on cycles a solo
+    test leaves idle, which cannot slow it) and take no lock. A test queues at the turnstile first, so that a solo
+    test waits only for the tests already running."""
+    if _in_unit_lane(item.config) and not item.get_closest_marker("solo"):
+        yield
+        return
     shared = shared_dir()
     with open(shared / "turnstile.lock", "a") as turnstile, open(shared / "solo.lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
