@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 from aligner.launch import zygote
 from aligner.runtime import preemption
@@ -28,9 +29,15 @@ def run_forked(module: str, argv: list[str]) -> int | None:
     if path is None or zygote.forked_here():
         return None
     child, early = None, []  # signals that came before the child existed are passed on once it does
+    # SIGUSR1 comes from preemption's waiting thread, the others in this (main) thread's handlers: re-entrant
+    hand_over = threading.RLock()
 
     def relay(signum, _frame=None):
-        early.append(signum) if child is None else child.send_signal(signum)
+        with hand_over:
+            if child is None:
+                early.append(signum)
+            else:
+                child.send_signal(signum)
 
     def relay_stop():
         relay(preemption.STOP_SIGNAL)
@@ -40,7 +47,7 @@ def run_forked(module: str, argv: list[str]) -> int | None:
     if preemption.requested():  # asked before there was a listener
         relay_stop()
     try:
-        child = zygote.ZygoteProcess(path, [sys.executable, "-m", module, *argv])
+        started = zygote.ZygoteProcess(path, [sys.executable, "-m", module, *argv])
     except (ConnectionRefusedError, FileNotFoundError, zygote.OtherSession):
         preemption.off_request(relay_stop)  # a stop asked meanwhile stays requested for the command run here
         for sig, handler in previous.items():
@@ -48,8 +55,10 @@ def run_forked(module: str, argv: list[str]) -> int | None:
         for signum in early:  # as if they came now
             signal.raise_signal(signum)
         return None
-    for signum in early:
-        child.send_signal(signum)
+    with hand_over:
+        child = started
+        for signum in early:
+            child.send_signal(signum)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C reaches the child itself (one group)
     code = child.wait()
     if code < 0:  # ended by a signal: end the same way, as a shell expects of the command it ran
