@@ -104,8 +104,7 @@ def serve(path: str | Path, modules=PRELOAD) -> None:
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
-                # the child holds every signal until it takes the requester's mask: one that comes sooner (a
-                # stop asked as the command starts) waits, as it does for a fresh process that blocked it
+                # the child holds every signal until it takes the requester's mask (a stop asked at once waits)
                 mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
                 pid = os.fork()
                 if pid == 0:
@@ -160,8 +159,7 @@ def forked_here() -> bool:
 
 def _become(request: dict, fds: list[int]) -> None:
     """In the forked child: take the requester's process context, then run the module as `python -m`."""
-    # the zygote runs as __main__: the flag goes on the module that the child's code imports
-    importlib.import_module("aligner.launch.zygote")._forked = True
+    importlib.import_module("aligner.launch.zygote")._forked = True  # not __main__'s, which the zygote runs as
     zygote_pythonpath = _entries(os.environ.get("PYTHONPATH"))
     if request["new_session"]:
         os.setsid()
@@ -291,7 +289,7 @@ def popen(args: list[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(args, **kwargs)
     try:
         return ZygoteProcess(path, args, **kwargs)
-    except (ConnectionRefusedError, FileNotFoundError, OtherSession):  # it exited since we looked; or see OtherSession
+    except UNREACHABLE:
         return subprocess.Popen(args, **kwargs)
 
 
@@ -361,6 +359,9 @@ class ZygoteProcess(subprocess.Popen):
 
 class OtherSession(Exception):
     """The zygote is not in the requester's session, so its child could not join the requester's process group."""
+
+
+UNREACHABLE = (ConnectionRefusedError, FileNotFoundError, OtherSession)  # it exited since we looked, or OtherSession
 
 
 def _peer_pid(connection: socket.socket) -> int:

@@ -48,7 +48,7 @@ def run_forked(module: str, argv: list[str]) -> int | None:
         relay_stop()
     try:
         started = zygote.ZygoteProcess(path, [sys.executable, "-m", module, *argv])
-    except (ConnectionRefusedError, FileNotFoundError, zygote.OtherSession):
+    except zygote.UNREACHABLE:
         preemption.off_request(relay_stop)  # a stop asked meanwhile stays requested for the command run here
         for sig, handler in previous.items():
             signal.signal(sig, handler)
