@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import read_metrics
@@ -98,6 +99,11 @@ def test_tiny_example_runs_end_to_end(example):
                                                       result.stdout).groups())
     print(f"DPO greedy accuracy on 256 held-out prompts: SFT {sft_accuracy}, DPO {dpo_accuracy}")
     assert dpo_accuracy >= sft_accuracy + 0.05
+    # DPO's first step: the policy is its reference, so every pair's margin is 0 (loss ln 2, accuracy a tie)
+    for key in ("loss/preference", "loss/sft", "accuracy", "reward/chosen", "reward/rejected", "reward/margin",
+                "logps/chosen", "logps/rejected", "grad_norm", "throughput/tokens_per_s"):
+        assert key in dpo[0], key
+    assert dpo[0]["loss/preference"] == pytest.approx(0.6931472, abs=1e-6) and dpo[0]["accuracy"] == 0.5
     # PPO from the SFT checkpoint with the example's (centred, near-miss) reward model, served with the critic: in
     # 50 steps the greedy held-out accuracy rose 0.504 -> 0.629 and 0.680 here (trainer.seed 1234 and 1; README, "PPO
     # with the critic service"), the reward model's score 0.19 -> 1.39 and 1.51, kl/mean <= 0.40. The check leaves
@@ -111,6 +117,21 @@ def test_tiny_example_runs_end_to_end(example):
     assert val[-1]["val/arithmetic_answer/mean"] >= val[0]["val/arithmetic_answer/mean"] + 0.08
     assert all(m["kl/mean"] < 0.7 for m in ppo[1:])
     assert "PPO: reward-model score and greedy exact-answer accuracy" in result.stdout
+    # the critic warms up alone for 10 steps: the actor generating step 11 is still the SFT model (its KL to the
+    # reference, the SFT weights, exactly 0), and step 11's update moves it; meanwhile the critic learns
+    steps = ppo[1:]
+    assert [m["critic_warmup"] for m in steps[:12]] == [1.0] * 10 + [0.0] * 2
+    assert ["loss" in m for m in steps[:12]] == [False] * 10 + [True] * 2 and "value/loss" in steps[0]
+    assert [m["kl/mean"] for m in steps[:11]] == [0.0] * 11 and steps[11]["kl/mean"] != 0
+    assert steps[-1]["value/explained_variance"] > steps[0]["value/explained_variance"]
+    for key in ("value/loss", "value/clip_fraction", "returns/mean", "kl/coef", "timing/critic_wait_s",
+                "timing/critic_train_s", "timing/critic_train_server_s", "timing/critic_infer_server_s"):
+        assert key in steps[-1], key
+    # each actor checkpoint has the critic's of the same step, and the service the run started has stopped
+    assert sorted(p.name for p in (tmp_path / "ppo/checkpoints").iterdir()) == ["step_000050"]
+    assert sorted(p.name for p in (tmp_path / "ppo/critic/checkpoints").iterdir()) == ["step_000050"]
+    critic = f"run_dir={tmp_path / 'ppo' / 'critic'}"
+    assert not [p for p in psutil.process_iter(["cmdline"]) if any(critic in part for part in p.info["cmdline"] or [])]
     grpo = read_metrics(tmp_path / "grpo")
     accuracy = [m["val/reward/mean"] for m in grpo if "val/reward/mean" in m]
     print(f"GRPO greedy accuracy on 256 held-out prompts at steps 0, 50, 100, 150: {accuracy}")
@@ -122,6 +143,8 @@ def test_tiny_example_runs_end_to_end(example):
     assert accuracy[-1] >= accuracy[0] + 0.10
     assert all(m["kl/mean"] < 0.5 for m in grpo[1:])
     assert "GRPO: greedy exact-answer accuracy" in result.stdout
+    rollouts = [json.loads(line) for line in (tmp_path / "grpo/rollouts/step_000150.jsonl").read_text().splitlines()]
+    assert rollouts and all({"prompt", "response", "reward", "advantage"} <= set(r) for r in rollouts)
 
 
 def test_lora_example_learns_beside_full_training(example):

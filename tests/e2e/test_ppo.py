@@ -1,6 +1,5 @@
-"""`aligner train ppo` end to end through the CLI, with the critic service it starts itself (embedded):
-PPO learns a rewarded string, each actor checkpoint has the critic's of the same step, the critic warms
-up alone, a stalled service is waited for and changes nothing, a SIGKILLed one stops the trainer with
+"""`aligner train ppo` end to end through the CLI, with the critic service it starts itself (embedded): a
+stalled service is waited for and changes nothing, a SIGKILLed one stops the trainer with
 exit 75 and one line naming it, the re-run resumes both sides and its steps equal an uninterrupted run's,
 a TP=2 or CP=2 actor's first step equals one process's, and a wrong service layout is refused before anything
 starts. The Service's retries are checked without a service."""
@@ -45,32 +44,6 @@ def ppo(assets, root, run_dir, *extra):
     result = run_cli(*ppo_args(assets, root, run_dir, *extra))
     assert result.returncode == 0, result.stderr[-4000:]
     return read_metrics(run_dir)
-
-
-def test_ppo_learns_a_rewarded_string(tiny_assets, rl_assets, tmp_path):
-    """+1 for a response containing "7" (a reward function; the critic starts from the SFT model with a
-    fresh value head, and lam=1 gives Monte-Carlo returns while it learns): PPO makes most samples earn
-    it within 24 steps, and the critic learns. The CPU's fp32 summation order moves the sampled trajectory
-    like a new seed: every sample of steps 20-24 on an AVX-512 host (50 steps were no surer: 0.81 at step
-    26), 0.62 / 0.75 / 0.56 / 0.81 / 0.88 on an AVX2 one, so the check is the last five steps' mean.
-    During the two critic warm-up steps only the critic trains: the actor generating step 3 is still the
-    SFT model (its KL to the reference, the SFT weights, is exactly 0), and the first update moves it."""
-    metrics = ppo(tiny_assets, rl_assets, tmp_path / "run", "trainer.max_steps=24", "algorithm.kl.coef=0.0",
-                  "algorithm.lam=1.0", "trainer.save_interval=12", "algorithm.critic_warmup_steps=2")
-    rewards = [m["reward/mean"] for m in metrics]
-    print("reward/mean per step:", [round(r, 2) for r in rewards])
-    assert rewards[0] < 0.3 and sum(rewards[-5:]) / 5 >= 0.6
-    assert metrics[-1]["value/explained_variance"] > metrics[0]["value/explained_variance"]
-    assert [m["critic_warmup"] for m in metrics[:4]] == [1.0, 1.0, 0.0, 0.0]
-    assert ["loss" in m for m in metrics[:4]] == [False, False, True, True] and "value/loss" in metrics[0]
-    assert [m["kl/mean"] for m in metrics[:3]] == [0.0, 0.0, 0.0] and metrics[3]["kl/mean"] != 0
-    for key in ("value/loss", "value/clip_fraction", "returns/mean", "kl/coef", "timing/critic_wait_s",
-                "timing/critic_train_s", "timing/critic_train_server_s", "timing/critic_infer_server_s"):
-        assert key in metrics[-1], key
-    steps = lambda d: sorted(p.name for p in d.iterdir())  # noqa: E731
-    assert steps(tmp_path / "run/checkpoints") == steps(tmp_path / "run/critic/checkpoints") \
-        == ["step_000012", "step_000024"]
-    assert not _service_processes(tmp_path / "run")  # stopped at the end
 
 
 def _service_processes(run_dir) -> list[psutil.Process]:

@@ -1,5 +1,5 @@
-"""The online-RL loop end to end through the CLI: GRPO learns a rewarded string, a SIGKILLed run resumes
-bitwise, the first step under DP=2 / TP=2 / PP=2 / CP=2 equals one process's, an unscorable sample is masked
+"""The online-RL loop end to end through the CLI (GRPO's learning: tests/e2e/test_example.py): a SIGKILLed run
+resumes bitwise, the first step under DP=2 / TP=2 / PP=2 / CP=2 equals one process's, an unscorable sample is masked
 out (never scored 0), the REINFORCE preset and DAPO's options run, and bad inputs fail before launch."""
 from __future__ import annotations
 
@@ -25,17 +25,6 @@ def grpo(assets, root, run_dir, *extra, command="grpo"):
     result = run_cli(*grpo_args(assets, root, run_dir, *extra, command=command))
     assert result.returncode == 0, result.stderr[-4000:]
     return read_metrics(run_dir)
-
-
-def test_grpo_learns_a_rewarded_string(tiny_assets, rl_assets, tmp_path):
-    """+1 for a response containing "7": GRPO makes (nearly) every sample earn it within 50 steps."""
-    metrics = grpo(tiny_assets, rl_assets, tmp_path / "run", f"data.train_path={rl_assets / 'target.jsonl'}",
-                   f"reward.functions=[{REWARDS}:emits_target]", "algorithm.kl.mode=none", "trainer.max_steps=50")
-    rewards = [m["reward/mean"] for m in metrics]
-    print("reward/mean per step:", [round(r, 2) for r in rewards])
-    assert rewards[0] < 0.2 and sum(rewards[-5:]) / 5 >= 0.9 and min(rewards[-5:]) >= 0.75
-    rollouts = [json.loads(line) for line in (tmp_path / "run/rollouts/step_000050.jsonl").read_text().splitlines()]
-    assert rollouts and all({"prompt", "response", "reward"} <= set(r) for r in rollouts)
 
 
 def test_unscorable_samples_are_masked_not_scored_zero(tiny_assets, rl_assets, tmp_path):

@@ -1,5 +1,5 @@
-"""Reward-model training end to end: `aligner train rm` (padded) learning a synthetic preference task at TP=1
-and TP=2, with PP=2, CP=2 and DP=2 reproducing the TP=1 losses and gradient norms, and packed pairs (the default
+"""Reward-model training end to end: `aligner train rm` (padded) learning a synthetic preference task at TP=1,
+with PP=2, CP=2 and DP=2 reproducing the TP=1 losses and gradient norms, and packed pairs (the default
 on the local layer spec; TP=1, TP=2, PP=2, CP=2) reproducing the padded ones. The losses by hand:
 tests/unit/test_rm_losses.py; the data formats: tests/unit/test_rm_data.py."""
 from __future__ import annotations
@@ -62,22 +62,18 @@ def _train(assets, data, tmp_path_factory, name, *layout, steps=STEPS):
     return run_dir, _runs[name]
 
 
-@pytest.mark.parametrize("layout", [[], ["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"]],
-                         ids=["tp1", "tp2"])
-def test_rm_learns_held_out_preferences(tiny_assets, preference_data, tmp_path_factory, layout):
-    name = "tp2" if layout else "tp1"
-    run_dir, metrics = _train(tiny_assets, preference_data, tmp_path_factory, name, *layout)
+def test_rm_learns_held_out_preferences(tiny_assets, preference_data, tmp_path_factory):
+    """At TP=1; the other layouts reproduce its steps (test_rm_parallel_layouts_match_tp1 and
+    test_rm_packed_matches_padded, TP=2 among them), and the example trains the packed default end to end."""
+    run_dir, metrics = _train(tiny_assets, preference_data, tmp_path_factory, "tp1")
     for key in ("loss", "accuracy", "reward/margin", "reward/chosen", "reward/rejected", "grad_norm"):
         assert all(key in m for m in metrics), key
     final = metrics[-1]
-    print(f"RM {name}: held-out accuracy {final['val/accuracy']:.3f}, val loss {final['val/loss']:.3f}")
+    print(f"RM tp1: held-out accuracy {final['val/accuracy']:.3f}, val loss {final['val/loss']:.3f}")
     assert final["val/accuracy"] >= 0.7, final
     assert final["val/reward/margin"] > 0.5
     meta = json.loads((run_dir / "checkpoints" / f"step_{STEPS:06d}" / "aligner.json").read_text())
     assert meta["head"] == "reward" and meta["scalar_head"] == {"num_outputs": 1, "attributes": None, "loss": "bt"}
-    if name == "tp2" and "tp1" in _runs:  # same initial weights and data: the first steps agree
-        for a, b in zip(_runs["tp1"][:3], metrics[:3]):
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["accuracy"] == b["accuracy"]
 
 
 @pytest.fixture(scope="module")
