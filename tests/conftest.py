@@ -53,7 +53,7 @@ BACKGROUND = tuple(f"tests/{name}.py" for name in (
     "integration/test_megatron_jit", "integration/test_weight_stream_collectives", "integration/test_lora_peft",
     "integration/test_rm_hf", "integration/test_generation_backends", "integration/test_te_spec",
     "integration/test_hf_weights", "integration/test_collectives", "integration/test_kd_parity",
-    "integration/test_training_wrap", "e2e/test_plan"))
+    "integration/test_training_wrap", "e2e/test_plan", "e2e/test_sft", "e2e/test_progress"))
 WAIT = "(wait)"  # UnitLane: nothing for this worker yet, but there will be
 
 

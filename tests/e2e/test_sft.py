@@ -1,7 +1,6 @@
 """SFT end to end through the CLI: learning, metrics, checkpoints, bitwise resume, crash safety,
 errors that stop before any rank starts, and a failing rank's traceback."""
 import shutil
-import time
 
 import pytest
 
@@ -73,7 +72,6 @@ def test_resume_is_bitwise_identical_and_skips_partial_and_incomplete_checkpoint
 
 
 def test_bad_config_fails_before_any_rank_starts(tiny_assets, tmp_path):
-    start = time.time()
     result = run_cli(*sft_args(tiny_assets, tmp_path / "run", "trainer.max_stepz=3", "launcher.nproc_per_node=2"))
     assert result.returncode == 2 and "max_stepz" in result.stderr
     assert not (tmp_path / "run").exists()
@@ -83,7 +81,6 @@ def test_bad_config_fails_before_any_rank_starts(tiny_assets, tmp_path):
     result = run_cli("train", "sft", f"run_dir={tmp_path / 'run'}", "data.train_path=/nonexistent.jsonl",
                      f"tokenizer.path={tiny_assets / 'tokenizer'}")
     assert result.returncode == 1 and "/nonexistent.jsonl does not exist, data.train_path" in result.stderr
-    assert time.time() - start < 60
 
 
 def test_failing_rank_reports_file_and_line(tiny_assets, tmp_path):
