@@ -6,11 +6,10 @@ The session starts a zygote (aligner/launch/zygote.py) that has imported torch, 
 once: CLI runs, their ranks and the servers they start fork from it instead of paying ~5 s of imports each
 (Slurm jobs start fresh; ALIGNER_TEST_ZYGOTE=0 turns it off).
 
-README's command runs the suite on three pytest-xdist workers, a test file at a time each (`--dist loadfile`: a
+README's command runs the suite on two pytest-xdist workers, a test file at a time each (`--dist loadfile`: a
 file's module fixtures are built once). With `--unit-lane` (README's command) one worker runs tests/unit, then
-the BACKGROUND files once the example is done, and a third (under -n 3) only BACKGROUND files, both at the lowest
-CPU priority, on the cycles the first worker's tests leave idle (each with a zygote of its own); the first worker
-runs everything else; without it, every worker takes any file. The
+the BACKGROUND files once the example is done, at the lowest CPU priority, on the cycles the other worker's tests
+leave idle (with a zygote of its own); the other worker runs everything else; without it, both take any file. The
 workers share the session's built assets (built once, under a file lock, in the session's shared folder) and the
 local Slurm cluster; a test marked `solo` (a timing-sensitive one) runs while no other test does, but for the unit
 lane's (at the lowest priority, they take only the cycles it leaves idle); Slurm tests run one at a time."""
@@ -75,17 +74,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 UNIT_LANE_WORKER = "gw1"  # with --unit-lane, the worker that runs tests/unit, at the lowest CPU priority
-# with --unit-lane, the workers at the lowest CPU priority: the unit lane and, under -n 3, a second lane that runs
-# only BACKGROUND files, so that two of them fill both cores while the other worker's test waits (a Slurm job, a
-# service's deadline)
-LOW_LANE_WORKERS = (UNIT_LANE_WORKER, "gw2")
 
 
 def pytest_addoption(parser):
     parser.addoption("--unit-lane", action="store_true",
-                     help="with -n 2 or -n 3 --dist loadfile: one worker runs tests/unit and the BACKGROUND files (and "
-                          "a third only BACKGROUND files) at the lowest CPU priority, on the cycles the first worker's "
-                          "tests leave idle; the first runs everything else (module doc)")
+                     help="with -n 2 --dist loadfile: one worker runs tests/unit and the BACKGROUND files at the lowest "
+                          "CPU priority, on the cycles the other worker's tests leave idle; the other runs everything "
+                          "else (module doc)")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -120,11 +115,11 @@ def pytest_xdist_make_scheduler(config, log):
             """The unit of work `node` takes next (BACKGROUND), WAIT while there is none for it yet, or None."""
             def first(lane):
                 return next((scope for scope in lane if scope in self.workqueue), None)
-            if node.gateway.id not in LOW_LANE_WORKERS:  # its own files, then helps with BACKGROUND's last ones
+            if node.gateway.id != UNIT_LANE_WORKER:  # its own files, then helps with BACKGROUND's last ones
                 alone = all(other.gateway.id != UNIT_LANE_WORKER for other in self.nodes)  # xdist shut it: no work
                 return next((scope for scope in self.workqueue
                              if (alone or scope != "unit") and scope not in BACKGROUND), first(BACKGROUND[::-1]))
-            if node.gateway.id == UNIT_LANE_WORKER and "unit" in self.workqueue:
+            if "unit" in self.workqueue:
                 return "unit"
             if first(BACKGROUND) is None:
                 return None
@@ -193,7 +188,7 @@ class UnitLaneDurations:
 
 
 def _in_unit_lane(config) -> bool:
-    return bool(config.getoption("unit_lane")) and getattr(config, "workerinput", {}).get("workerid") in LOW_LANE_WORKERS
+    return bool(config.getoption("unit_lane")) and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER
 
 
 def to_lowest_priority() -> None:

@@ -1,5 +1,5 @@
 """README's test command's scheduler (tests/conftest.py, `--unit-lane`): the unit lane runs tests/unit, waits
-while the example runs, then takes the BACKGROUND files in order (a second low lane, under -n 3, only those); the other worker runs everything else, the
+while the example runs, then takes the BACKGROUND files in order; the other worker runs everything else, the
 solo tests last, then the last of the BACKGROUND files. Driven with stand-in workers, as xdist's controller would."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests import conftest
-from tests.conftest import BACKGROUND, LONGEST_FIRST, LOW_LANE_WORKERS, SHARED_VARIABLE, UNIT_LANE_WORKER
+from tests.conftest import BACKGROUND, LONGEST_FIRST, SHARED_VARIABLE, UNIT_LANE_WORKER
 
 
 class Worker:
@@ -31,19 +31,18 @@ COLLECTION = [f"{EXAMPLE}::test_a", f"{EXAMPLE}::test_b", f"{EXAMPLE}::test_c", 
               *(f"{path}::test_{i}" for path in (BACKGROUND[0], BACKGROUND[1], BACKGROUND[-1]) for i in range(3))]
 
 
-def start(tmp_path, monkeypatch, collection: list[str], workers: int = 2):
-    """The scheduler and its workers: the main one, the unit lane (and with `workers=3` the second low lane)."""
+def start(tmp_path, monkeypatch, collection: list[str]):
     monkeypatch.setenv(SHARED_VARIABLE, str(tmp_path))  # where the workers name the solo tests
     (tmp_path / "solo-tests.txt").write_text(f"{PPO}::test_stalled")
-    options = {"dist": "loadfile", "unit_lane": True, "tx": [f"{workers}*popen"]}
+    options = {"dist": "loadfile", "unit_lane": True, "tx": ["2*popen"]}
     config = SimpleNamespace(getvalue=options.get, option=SimpleNamespace(loadscopereorder=False))
     scheduler = conftest.pytest_xdist_make_scheduler(config, None)
-    nodes = [Worker("gw0"), *(Worker(name) for name in LOW_LANE_WORKERS[:workers - 1])]
-    for worker in nodes:
+    main, unit = Worker("gw0"), Worker(UNIT_LANE_WORKER)
+    for worker in (main, unit):
         scheduler.add_node(worker)
         scheduler.add_node_collection(worker, collection)
     scheduler.schedule()
-    return (scheduler, *nodes)
+    return scheduler, main, unit
 
 
 @pytest.fixture
@@ -95,23 +94,3 @@ def test_with_only_unit_tests_the_remaining_worker_runs_them(tmp_path, monkeypat
     units = [test for test in COLLECTION if test.startswith("tests/unit/")]
     scheduler, main, unit = start(tmp_path, monkeypatch, units)
     assert unit.shutting_down and sorted(main.sent) == [0, 1]
-
-
-def test_a_second_low_lane_waits_for_the_example_then_shares_the_background_files(tmp_path, monkeypatch):
-    """README's -n 3: the third worker never takes tests/unit; once the example is done it and the unit lane take
-    the BACKGROUND files from the front, the main lane (its own files done) from the back."""
-    scheduler, main, unit, second = start(tmp_path, monkeypatch, COLLECTION, workers=3)
-    assert files(main) == [EXAMPLE] and files(unit) == ["tests/unit/test_x.py", "tests/unit/test_y.py"]
-    assert files(second) == [] and not second.shutting_down  # waits, with nothing else for it
-    for path in files(unit):
-        run(scheduler, unit, path)
-    assert files(second) == [] and files(unit) == ["tests/unit/test_x.py", "tests/unit/test_y.py"]
-    run(scheduler, main, EXAMPLE)
-    assert {files(unit)[2], files(second)[0]} == {BACKGROUND[0], BACKGROUND[1]}
-    run(scheduler, main, PPO)
-    assert files(main)[-1] == BACKGROUND[-1]
-    for worker in (main, unit, second):
-        for path in files(worker):
-            run(scheduler, worker, path)
-    assert main.shutting_down and unit.shutting_down and second.shutting_down
-    assert sorted(main.sent + unit.sent + second.sent) == list(range(len(COLLECTION)))  # every test sent once
