@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from filelock import FileLock
 
@@ -321,6 +322,17 @@ def tiny_assets():
         write_sft_chat(root / "val.jsonl", 64, seed=2)
 
     return built_once("tiny", build)
+
+
+def critic_service_processes(run_dir) -> list[psutil.Process]:
+    """The processes of the critic service that `aligner train ppo run_dir=RUN_DIR` started (found by the
+    `run_dir=RUN_DIR/critic` in their command lines), with their children."""
+    marker = f"run_dir={Path(run_dir) / 'critic'}"
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(marker in part for part in (p.info["cmdline"] or [])):
+            found += [p, *p.children(recursive=True)]
+    return found
 
 
 FRESH = {ZYGOTE_VARIABLE: ""}  # a CLI environment in which processes start fresh, not forked from the zygote

@@ -10,10 +10,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.conftest import read_metrics
+from tests.conftest import critic_service_processes, read_metrics
 from tests.e2e.test_report import ARTIFACTS, open_in_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,10 +127,9 @@ def test_tiny_example_runs_end_to_end(example):
                 "timing/critic_train_s", "timing/critic_train_server_s", "timing/critic_infer_server_s"):
         assert key in steps[-1], key
     # each actor checkpoint has the critic's of the same step, and the service the run started has stopped
-    assert sorted(p.name for p in (tmp_path / "ppo/checkpoints").iterdir()) == ["step_000050"]
-    assert sorted(p.name for p in (tmp_path / "ppo/critic/checkpoints").iterdir()) == ["step_000050"]
-    critic = f"run_dir={tmp_path / 'ppo' / 'critic'}"
-    assert not [p for p in psutil.process_iter(["cmdline"]) if any(critic in part for part in p.info["cmdline"] or [])]
+    for folder in ("ppo/checkpoints", "ppo/critic/checkpoints"):
+        assert sorted(p.name for p in (tmp_path / folder).iterdir()) == ["step_000050"], folder
+    assert not critic_service_processes(tmp_path / "ppo")
     grpo = read_metrics(tmp_path / "grpo")
     accuracy = [m["val/reward/mean"] for m in grpo if "val/reward/mean" in m]
     print(f"GRPO greedy accuracy on 256 held-out prompts at steps 0, 50, 100, 150: {accuracy}")

@@ -14,12 +14,11 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
-import psutil
 import pytest
 
 from aligner.algorithms.online.ppo import Service
 from aligner.servers.client import OK, TIMEOUT, SampleResult, Values
-from tests.conftest import (REPO, REWARDS, job_field, read_metrics, requeued_job_log, run_cli, signal_usr1,
+from tests.conftest import (REPO, REWARDS, critic_service_processes, job_field, read_metrics, requeued_job_log, run_cli, signal_usr1,
                             sigusr1_stop_step, start_cli)
 
 KEYS = ("reward/mean", "loss", "grad_norm", "kl/mean", "value/loss", "returns/mean", "value/explained_variance",
@@ -46,15 +45,6 @@ def ppo(assets, root, run_dir, *extra):
     return read_metrics(run_dir)
 
 
-def _service_processes(run_dir) -> list[psutil.Process]:
-    marker = f"run_dir={run_dir / 'critic'}"
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        if any(marker in part for part in (p.info["cmdline"] or [])):
-            found += [p, *p.children(recursive=True)]
-    return found
-
-
 @pytest.fixture(scope="module")
 def straight(tiny_assets, rl_assets, tmp_path_factory):
     """Six PPO steps, uninterrupted, checkpoints every two: the reference of the fault test."""
@@ -62,7 +52,7 @@ def straight(tiny_assets, rl_assets, tmp_path_factory):
 
 
 def _signal_service(run_dir, sig) -> None:
-    victims = _service_processes(run_dir)
+    victims = critic_service_processes(run_dir)
     assert victims
     for p in victims:
         os.kill(p.pid, sig)

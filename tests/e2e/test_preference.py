@@ -1,5 +1,6 @@
-"""Preference optimisation end to end through the CLI (DPO's learning: tests/e2e/test_example.py): bitwise resume with packing and cached reference log-probs,
-KTO moving its metrics the right way, ORPO and SimPO runs, and errors before or at start-up."""
+"""Preference optimisation end to end through the CLI (DPO's learning: tests/e2e/test_example.py): bitwise
+resume with packing and cached reference log-probs, KTO moving its metrics the right way, ORPO and SimPO runs,
+and errors before or at start-up."""
 import pytest
 
 from aligner.data.preference import synthetic_preferences, synthetic_unpaired, write_jsonl

@@ -45,27 +45,25 @@ def rm_args(assets, data, run_dir, *extra):
 
 
 STEPS = 60
-_runs, _rm_checkpoints = {}, {}
+_trained: dict = {}  # the TP=1 run, once: its metrics and last checkpoint
 
 
-def _train(assets, data, tmp_path_factory, name, *layout, steps=STEPS):
+def _train(assets, data, tmp_path_factory):
     # Padded: at this learning rate a step-3 gradient spike makes runs chaotic, so the held-out score
     # belongs to one trajectory (packed runs agree step for step but drift apart from step ~8 on,
     # from float rounding; tests/e2e/test_example.py trains the packed default end to end).
-    run_dir = tmp_path_factory.mktemp(f"rm_{name}")
-    result = run_cli(*rm_args(assets, data, run_dir, f"trainer.max_steps={steps}", f"trainer.val_interval={steps}",
-                              f"data.val_path={data / 'val.jsonl'}", "trainer.val_batches=8", "data.packing=false",
-                              *layout))
+    run_dir = tmp_path_factory.mktemp("rm_tp1")
+    result = run_cli(*rm_args(assets, data, run_dir, f"trainer.max_steps={STEPS}", f"trainer.val_interval={STEPS}",
+                              f"data.val_path={data / 'val.jsonl'}", "trainer.val_batches=8", "data.packing=false"))
     assert_cli_ok(result)
-    _runs[name] = read_metrics(run_dir)
-    _rm_checkpoints[name] = run_dir / "checkpoints" / f"step_{steps:06d}"
-    return run_dir, _runs[name]
+    _trained.update(metrics=read_metrics(run_dir), checkpoint=run_dir / "checkpoints" / f"step_{STEPS:06d}")
+    return run_dir, _trained["metrics"]
 
 
 def test_rm_learns_held_out_preferences(tiny_assets, preference_data, tmp_path_factory):
     """At TP=1; the other layouts reproduce its steps (test_rm_parallel_layouts_match_tp1 and
     test_rm_packed_matches_padded, TP=2 among them), and the example trains the packed default end to end."""
-    run_dir, metrics = _train(tiny_assets, preference_data, tmp_path_factory, "tp1")
+    run_dir, metrics = _train(tiny_assets, preference_data, tmp_path_factory)
     for key in ("loss", "accuracy", "reward/margin", "reward/chosen", "reward/rejected", "grad_norm"):
         assert all(key in m for m in metrics), key
     final = metrics[-1]
@@ -80,9 +78,9 @@ def test_rm_learns_held_out_preferences(tiny_assets, preference_data, tmp_path_f
 def from_trained_rm(tiny_assets, preference_data, tmp_path_factory):
     """2 padded steps at TP=1 starting from a trained reward model (the other layouts start from it
     too, since initial weights drawn under PP differ from TP=1's)."""
-    if "tp1" not in _runs:
-        _train(tiny_assets, preference_data, tmp_path_factory, "tp1")
-    pretrained = _rm_checkpoints["tp1"]
+    if not _trained:
+        _train(tiny_assets, preference_data, tmp_path_factory)
+    pretrained = _trained["checkpoint"]
 
     def run(*layout):
         run_dir = tmp_path_factory.mktemp("rm_layout")
