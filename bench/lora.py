@@ -60,17 +60,20 @@ Measurements:
     frozen), compiled with torch.compile, no framework: one DPO or GRPO train step (forward, loss, backward,
     clipping, AdamW on the adapters) plus the reference's forward (adapters off), the logits only at the
     positions a loss reads (the responses), and for GRPO generation credited at its floor. DPO's lean rows are
-    each pair's prompt + chosen + rejected in one causal row (the packed pair's token count). TRL + peft's step
-    over a bound bounds the speed-up any implementation reaches.
+    each pair's prompt + chosen + rejected in one causal row (the packed pair's token count). For GRPO also the
+    Megatron actor's bound (bench/lora_module_bound.py): the GPTModel aligner trains, with the adapters and no
+    trainer, its reference and train passes on the same batch (the faster of eager and torch.compile), plus
+    generation's decode-shaped matrix products. TRL + peft's step over a bound bounds the speed-up any
+    implementation (for the last one: any built on the Megatron model) reaches.
 
-Measured 2026-11-28 (bench/results/lora-cpu.md, --repeats 3, after the GRPO step's overhead fixes; other test
-suites ran on the VM throughout): TRL + peft / aligner LoRA, CPU s/step, paired by round: SFT 1.66x, DPO 2.71x,
-GRPO 1.26x (1.35x before the fixes, in an earlier run; paired against the code before them the fixes took the LoRA
-GRPO step 0.90-0.98x its time), DPO hidden-512 2.55x; aligner full / LoRA: 0.93-1.03x on the tiny model, 1.28x at
-hidden 512. Peak tensor memory, LoRA / full: 0.545x for DPO hidden-512 (0.605x over the whole 3-step run), 0.70-0.85x
-on the tiny model. GRPO's 2x is missed: by part, aligner LoRA's step exceeds the lean compiled one by 0.036 s in
-generation (credited there at its FLOP floor; the decode-shaped products alone take about twice that floor), 0.015
-in the reference and 0.016 in the train step; a lean step with an overhead-free decoder would reach ~2.1x.
+Measured 2026-12-07 (bench/results/lora-cpu.md, --repeats 3, a host without AVX-512): TRL + peft / aligner LoRA,
+CPU s/step, paired by round: SFT 1.52x, DPO 2.03x (1.99-2.68), GRPO 1.73x (1.42-1.81), DPO hidden-512 2.13x;
+aligner full / LoRA: 0.93-1.09x on the tiny model, 1.14x at hidden 512. Peak tensor memory, LoRA / full: 0.545x for
+DPO hidden-512 (0.605x over the whole 3-step run), 0.70-0.85x on the tiny model. GRPO's 2x is missed. The
+Megatron model's own passes cost what aligner's reference and train phases cost (within this host's noise), and
+with an overhead-free decoder they would make a 0.183 s step, 2.41x TRL + peft: the gap is aligner's generation
+(0.0705 s, 2.4x its decode-shaped products) and the rest of its step (0.018 s). On 2026-11-28's host (AVX-512) the
+same code measured GRPO 1.26x and DPO 2.71x: the ratios move with the host.
 """
 from __future__ import annotations
 
@@ -92,6 +95,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.preference_vs_trl import OFFLINE, TRL_BENCH_DIR, TRL_PYTHON, prepare, timed  # noqa: E402
 from bench.rl_vs_trl import RUN as RL_RUN, grpo_overrides, timed_tree  # noqa: E402
+from bench import lora_module_bound as module_bound  # noqa: E402
 from bench.trl_peft_lora import mark_step_end, step_peaks  # noqa: E402
 
 RANK, ALPHA = 16, 32.0
@@ -142,7 +146,8 @@ def prepare_all(out: Path, threads: int) -> dict:
     if not sft.exists():
         rows = [json.loads(line) for line in (paths["art"] / "data" / "sft.jsonl").read_text().splitlines()]
         sft.write_text("".join(json.dumps({"input": r["prompt"], "output": r["completion"]}) + "\n" for r in rows))
-    return {**paths, "sft": sft, "policy": {"tiny": out / "policy_mcore", "h512": h512 / "policy_mcore"},
+    return {**paths, "out": out, "sft": sft,
+            "policy": {"tiny": out / "policy_mcore", "h512": h512 / "policy_mcore"},
             "hf_policy": {"tiny": paths["art"] / "policy", "h512": h512 / "policy"}}
 
 
@@ -337,7 +342,13 @@ def bounds(task: str, paths: dict, threads: int, response_tokens: float) -> dict
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"the lean bound of {task} failed: {proc.stderr.strip()[-3000:]}")
-    return json.loads(proc.stdout.splitlines()[-1])
+    out = json.loads(proc.stdout.splitlines()[-1])
+    if task == "grpo":  # the same step on the Megatron GPTModel that aligner trains (bench/lora_module_bound.py)
+        module = module_bound.measure(paths["policy"]["tiny"], threads, response_tokens,
+                                      paths["out"] / "module_bound.json")
+        parts = {**module["best"], "generate": out["decode_products_s"]}
+        out["module"] = {**module, "parts": parts, "step_s": sum(parts.values())}
+    return out
 
 
 def _lean(argv: list[str]) -> None:
@@ -452,13 +463,7 @@ def _lean(argv: list[str]) -> None:
         set_adapters(True)
         return out
 
-    def timed_cpu(fn, n=20):
-        for _ in range(5):
-            fn()
-        start = time.process_time()
-        for _ in range(n):
-            fn()
-        return (time.process_time() - start) / n
+    timed_cpu = module_bound.timed_cpu
 
     ref = reference_step()
     measured = {"reference": timed_cpu(reference_step), "train": timed_cpu(lambda: train_step(ref))}
@@ -606,6 +611,20 @@ def part_table(task: str, s: dict, b: dict) -> list[str]:
                       f"KV-cache decoder runs them (batch {RL_RUN['prompts_per_step'] * RL_RUN['num_generations']} "
                       f"rows a step) take {b['decode_products_s']:.4f} s here, so a lean step with an overhead-free "
                       f"decoder takes at least {b['lean_step_s'] - lean['generate'] + b['decode_products_s']:.4f} s."]
+    m = b.get("module")
+    if m:
+        trl = s["cpu_step_s"]["trl_peft"]
+        lines += ["", "The Megatron actor's bound (bench/lora_module_bound.py): the GPTModel that aligner trains, "
+                      "with its adapters and nothing of the trainer around it, on the same batch (CPU s; compiling "
+                      f"took {m['compile_wall_s']:.0f} s, outputs within {m['compiled_vs_eager_max_abs']:.1e} of "
+                      "eager):", "",
+                  "| part | eager | torch.compile | counted |", "|---|---|---|---|"]
+        lines += [f"| {part} | {m['eager'][part]:.4f} | {m['compiled'][part]:.4f} | {m['best'][part]:.4f} |"
+                  for part in ("reference", "train")]
+        lines += [f"| generate (decode-shaped products) | | | {m['parts']['generate']:.4f} |",
+                  f"| step | | | {m['step_s']:.4f} |", "",
+                  f"TRL + peft's step over it: {trl / m['step_s']:.2f}x; aligner LoRA's step is "
+                  f"{s['cpu_step_s']['aligner_lora'] / m['step_s']:.2f}x it."]
     return lines
 
 
@@ -696,6 +715,15 @@ def verdicts(summary: dict) -> list[str]:
                 line += (f" The lean compiled step ({b['lean_step_s']:.4f} CPU s) is no faster than aligner's, so it "
                          f"bounds nothing; the matmul floor ({b['floor_step_s']:.4f} s) caps any implementation at "
                          f"{floor:.2f}x TRL + peft.")
+        m = (b or {}).get("module")
+        if m:
+            trl, reach = s["cpu_step_s"]["trl_peft"], s["cpu_step_s"]["trl_peft"] / m["step_s"]
+            line += (f" The Megatron actor's own bound (its GPTModel's reference and train passes alone, the faster "
+                     f"of eager and torch.compile, plus the decode-shaped products) is {m['step_s']:.4f} s, "
+                     f"{reach:.2f}x TRL + peft: "
+                     + ("out of reach for any step built on the Megatron GPTModel on this CPU, before any of "
+                        "aligner's trainer runs" if reach < TARGET_SPEED else
+                        "the model allows it; aligner's trainer around it is what is slower") + ".")
         out.append(line)
     return out
 
