@@ -158,7 +158,8 @@ def aligner_overrides(task: str, model: str, mode: str, paths: dict, out: Path, 
             if mode == "lora" else [])
     if task == "grpo":
         return [*grpo_overrides(paths, out, run_dir, steps, threads), "algorithm.advantage=grpo",
-                "algorithm.kl.estimator=k3", "algorithm.kl.mode=loss", "algorithm.aggregation=token_mean", *lora]
+                "algorithm.kl.estimator=k3", "algorithm.kl.mode=loss", "algorithm.aggregation=token_mean",
+                f"generation.decode={paths['decode']}", *lora]
     art = paths["art"]
     common = [f"run_dir={run_dir}", f"tokenizer.path={art / 'tokenizer'}", f"model.pretrained={paths['policy'][model]}",
               f"trainer.max_steps={steps}", "trainer.seed=1234", "trainer.save_last=false", "data.max_length=256",
@@ -530,8 +531,8 @@ def report(summary: dict, args, info: dict) -> str:
              f"TRL side: " + ", ".join(f"{k} {v}" for k, v in info["trl_side"].items()) + ".",
              f"1 torch thread a process; LoRA rank {RANK}, alpha {ALPHA:g}; tiny model steps {args.warmup + 1}.."
              f"{args.steps}, hidden-512 steps {args.h512_warmup + 1}..{args.h512_steps}; {args.repeats} round(s) "
-             f"(hidden-512: {min(args.repeats, args.h512_repeats)}). Ratios pair runs of the same round: median "
-             "(each round).", "",
+             f"(hidden-512: {min(args.repeats, args.h512_repeats)}); aligner's GRPO with generation.decode="
+             f"{args.decode}. Ratios pair runs of the same round: median (each round).", "",
              "## Step time (CPU s/step)", "",
              "| task | aligner full | aligner LoRA | TRL + peft LoRA | full / LoRA (aligner) | TRL+peft / aligner LoRA "
              "| target | other cores (max) |", "|---|---|---|---|---|---|---|---|"]
@@ -746,6 +747,8 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--bounds", choices=["auto", "always", "never"], default="auto",
                         help="the floor and lean bound of DPO and GRPO: auto = where the speed target is missed")
+    parser.add_argument("--decode", choices=["auto", "lean", "compiled"], default="auto",
+                        help="aligner's generation.decode in the GRPO runs (compiled: Inductor, needs g++)")
     parser.add_argument("--out", default="runs/bench-lora")
     parser.add_argument("--md", help="also write the report (markdown) here")
     args = parser.parse_args()
@@ -757,7 +760,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    paths = prepare_all(out, args.threads)
+    paths = {**prepare_all(out, args.threads), "decode": args.decode}
     todo = {k: v for k, v in cases().items() if not args.only or k in args.only}
     runs: dict[str, list[dict]] = {}
     for attempt in range(args.repeats):
