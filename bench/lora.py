@@ -718,13 +718,14 @@ def verdicts(summary: dict) -> list[str]:
                          f"{floor:.2f}x TRL + peft.")
         m = (b or {}).get("module")
         if m:
-            trl, reach = s["cpu_step_s"]["trl_peft"], s["cpu_step_s"]["trl_peft"] / m["step_s"]
+            reach = s["cpu_step_s"]["trl_peft"] / m["step_s"]
             line += (f" The Megatron actor's own bound (its GPTModel's reference and train passes alone, the faster "
                      f"of eager and torch.compile, plus the decode-shaped products) is {m['step_s']:.4f} s, "
                      f"{reach:.2f}x TRL + peft: "
                      + ("out of reach for any step built on the Megatron GPTModel on this CPU, before any of "
                         "aligner's trainer runs" if reach < TARGET_SPEED else
-                        "the model allows it; aligner's trainer around it is what is slower") + ".")
+                        "the model allows it; what aligner runs around the model's passes (its decoder, the "
+                        "step's glue) is what is slower") + ".")
         out.append(line)
     return out
 
