@@ -79,9 +79,9 @@ UNIT_LANE_WORKER = "gw1"  # with --unit-lane, the worker that runs tests/unit, a
 
 def pytest_addoption(parser):
     parser.addoption("--unit-lane", action="store_true",
-                     help="with -n 2 --dist loadfile: one worker runs tests/unit and the BACKGROUND files at the lowest "
-                          "CPU priority, on the cycles the other worker's tests leave idle; the other runs everything "
-                          "else (module doc)")
+                     help="with -n 2 --dist loadfile: one worker runs tests/unit and the BACKGROUND files at the "
+                          "lowest CPU priority, on the cycles the other worker's tests leave idle; the other runs "
+                          "everything else (module doc)")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -189,7 +189,8 @@ class UnitLaneDurations:
 
 
 def _in_unit_lane(config) -> bool:
-    return bool(config.getoption("unit_lane")) and getattr(config, "workerinput", {}).get("workerid") == UNIT_LANE_WORKER
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    return bool(config.getoption("unit_lane")) and worker == UNIT_LANE_WORKER
 
 
 def to_lowest_priority() -> None:

@@ -18,8 +18,8 @@ import pytest
 
 from aligner.algorithms.online.ppo import Service
 from aligner.servers.client import OK, TIMEOUT, SampleResult, Values
-from tests.conftest import (REPO, REWARDS, critic_service_processes, job_field, read_metrics, requeued_job_log, run_cli, signal_usr1,
-                            sigusr1_stop_step, start_cli)
+from tests.conftest import (REPO, REWARDS, critic_service_processes, job_field, read_metrics, requeued_job_log,
+                            run_cli, signal_usr1, sigusr1_stop_step, start_cli)
 
 KEYS = ("reward/mean", "loss", "grad_norm", "kl/mean", "value/loss", "returns/mean", "value/explained_variance",
         "advantages/mean", "response_length/mean")
