@@ -19,7 +19,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from aligner import errors
@@ -34,7 +33,6 @@ from aligner.generation.types import DECODE_MODES, SamplingParams
 from aligner.launch.local import launch
 from aligner.models.checkpoint import load_language_model, model_config_from_checkpoint, read_metadata
 from aligner.observe.progress import Progress
-from aligner.runtime.cpu_memory import keep_freed_memory
 from aligner.runtime import collectives
 
 # megatron, and the modules that import it (runtime.distributed, runtime.seeding), are imported inside
@@ -145,8 +143,6 @@ def run_generation(job: dict) -> None:
     values, model_dir = job["values"], Path(job["model"])
     tp, pp = values["model.tensor_model_parallel_size"], values["model.pipeline_model_parallel_size"]
     distributed.init_process_group()
-    if not torch.cuda.is_available():  # as on training ranks: each batch's KV cache reuses freed pages
-        keep_freed_memory()
     distributed.init_model_parallel(tp, pp)
     seed_everything(values["sampling.seed"])
     layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}

@@ -45,9 +45,12 @@ def process_info_from_env(env=os.environ) -> ProcessInfo:
 
 
 def init_process_group(timeout_s: int = 600) -> ProcessInfo:
-    """gloo on CPU, NCCL on GPU. Idempotent."""
+    """gloo on CPU, NCCL on GPU. Idempotent. On CPU the process also keeps its freed memory (cpu_memory): every
+    rank, trainer, server or generator alike, frees and re-allocates the same activation-sized blocks each step."""
     info = process_info_from_env()
     cpu_shims.apply()
+    if not torch.cuda.is_available():
+        keep_freed_memory()
     if dist.is_initialized():
         return info
     if torch.cuda.is_available():
@@ -90,7 +93,6 @@ def start_training_rank(cfg) -> None:
     init_process_group()
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.launcher.threads_per_rank)
-        keep_freed_memory()
     init_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
     configure_logging(dist.get_rank())
     seed_everything(cfg.trainer.seed)

@@ -21,12 +21,10 @@ def one_call_outputs(model_dir: str, prompts_path: str, out_prefix: str) -> None
     from aligner.models.checkpoint import load_weights, model_config_from_checkpoint
     from aligner.models.gpt import build_gpt
     from aligner.launch.ranks import single_process
-    from aligner.runtime.cpu_memory import keep_freed_memory
     from aligner.runtime.seeding import seed_everything
 
     params = sampling_params(parse_overrides(SAMPLING))
-    with single_process():
-        keep_freed_memory()
+    with single_process():  # on CPU it keeps freed memory, as a generating rank does
         seed_everything(params.seed)
         cfg, vocab = model_config_from_checkpoint(model_dir)
         model = build_gpt(cfg, vocab)

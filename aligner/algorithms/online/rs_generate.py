@@ -25,7 +25,6 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
 
 from aligner import errors
 from aligner.algorithms.online.rs_select import flat_winners
@@ -43,7 +42,6 @@ from aligner.models.checkpoint import load_language_model, model_config_from_che
 from aligner.observe.progress import Progress
 from aligner.rewards.scoring import RewardScorer, resolve_reward_functions
 from aligner.runtime import distributed
-from aligner.runtime.cpu_memory import keep_freed_memory
 from aligner.runtime.seeding import seed_everything
 
 SECTIONS = ("rs.", "reward.", "sampling.", "generation.", "data.max_length=", "data.overlong=")
@@ -102,8 +100,6 @@ def generate_winners(cfg, out: str | Path) -> dict:
     r, s, w = cfg.rs, cfg.sampling, cfg.reward
     n = r.num_rollouts_per_prompt
     distributed.init_process_group()
-    if not torch.cuda.is_available():
-        keep_freed_memory()
     distributed.init_model_parallel()
     seed_everything(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
