@@ -148,9 +148,11 @@ def serve(bridge: Bridge, model, model_cfg, vocab_size: int, generate, engine, a
 
 def _received_buckets(bridge: Bridge):
     """The weight set's buckets as {HF name: tensor}, one at a time (a weight stream): each announced by a
-    message listing its tensors, then broadcast as one flat tensor; a message without entries ends the set."""
+    message listing its tensors, then broadcast as one flat tensor, received on the bridge's device (a GPU's under
+    NCCL: the weights then go from there into the model, never through host memory); a message without entries
+    ends the set."""
     while (entries := bridge.recv_object(0)["entries"]) is not None:
         dtype = getattr(torch, entries[0][2])
         sizes = [torch.Size(shape).numel() for _, shape, _ in entries]
-        flat = bridge.broadcast(torch.empty(sum(sizes), dtype=dtype))
+        flat = bridge.broadcast(torch.empty(sum(sizes), dtype=dtype, device=bridge.device))
         yield {name: part.view(shape) for (name, shape, _), part in zip(entries, flat.split(sizes))}

@@ -173,7 +173,11 @@ class Bridge:
             raise RuntimeError(f"bridge rank 0 ({address}) chose NCCL, but bridge rank {rank} has no CUDA device")
         if device == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.group = dist.ProcessGroupNCCL(store, rank, size)
+            # the timeout goes in the options, as torch's own NCCL groups get it; without it NCCL's watchdog
+            # would end a send waiting on a busy peer after its 10-minute default
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             self.device = torch.device("cpu")
             self.group = dist.ProcessGroupGloo(store, rank, size, timeout)

@@ -7,8 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from aligner.algorithms.online import maths
-from aligner.algorithms.online.loss import (PolicyLoss, response_values, rl_micro_batches, token_logprob_values,
-                                       token_values)
+from aligner.algorithms.online.loss import (PolicyLoss, response_values, rl_micro_batches,
+                                           set_advantages_and_validity, token_logprob_values, token_values)
 from aligner.generation.types import SamplingParams
 from aligner.algorithms.online.samples import Sample
 from aligner.config.rl_schema import RLAlgorithmConfig
@@ -34,6 +34,22 @@ def test_response_values_put_each_token_in_its_sample_row(packing):
     assert torch.equal(got, expected)
     assert torch.equal(batch["response_mask"], (expected > 0).float())
     assert torch.allclose(batch["engine_logprobs"][1], torch.tensor([-0.1, -0.2, -0.3, -0.4]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_advantages_and_validity_land_on_the_batch_device(device):
+    """After the log-prob passes a batch's tensors are on the trainer's device (a GPU's; `meta` stands in for it
+    here, as it too refuses a CPU operand); a sample whose score failed since has its mask row zeroed."""
+    group = samples()
+    (batch,), _ = rl_micro_batches([group], pad_id=0, packing={"packed": False, "capacity": None, "flat": False},
+                                   multiple=1)
+    batch["response_mask"] = batch["response_mask"].to(device)
+    group[1].valid = False
+    set_advantages_and_validity(batch, group)
+    assert batch["advantages"].device.type == batch["response_mask"].device.type == device
+    if device == "cpu":
+        assert batch["advantages"].tolist() == [1.0, -0.5, 2.0]
+        assert batch["response_mask"].tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
 
 
 def test_policy_loss_term_sums_match_direct_maths():

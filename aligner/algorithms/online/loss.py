@@ -51,6 +51,16 @@ def rl_micro_batches(groups: list[list[Sample]], pad_id: int, packing: dict, mul
     return micro, length
 
 
+def set_advantages_and_validity(batch: dict, group: list[Sample]) -> None:
+    """The group's advantages, and its response mask zeroed on samples found invalid since the batch was built
+    (their scores failed), on the device the batch's tensors are on by then: the log-prob passes moved them to
+    the GPU (forward_step.run_model), where a CPU factor would fail the product."""
+    mask = batch["response_mask"]
+    batch["advantages"] = torch.tensor([s.advantage for s in group], dtype=torch.float32, device=mask.device)
+    batch["response_mask"] = mask * torch.tensor([[float(s.valid)] for s in group], dtype=mask.dtype,
+                                                 device=mask.device)
+
+
 def response_values(values: torch.Tensor, local: dict, batch: dict) -> torch.Tensor:
     """Per-position values [rows, length(, k)] of this CP rank's positions (`local`) of a sequence batch ->
     [n, T(, k)] per response token (0 past a response's end), whole: under context parallelism each

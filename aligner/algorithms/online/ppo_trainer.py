@@ -216,7 +216,7 @@ class PPOTrainer(RLTrainer):
             k = 0
             for batch in micro:
                 values = maths.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], str(self.a.kl.estimator))
-                for row in values * batch["response_mask"]:
+                for row in (values * batch["response_mask"]).cpu():  # one copy from the GPU, not one a row
                     sample = mine[k]
                     table[rows[id(sample)], :len(sample.response_ids)] = row[:len(sample.response_ids)]
                     k += 1

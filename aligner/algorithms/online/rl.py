@@ -27,7 +27,8 @@ import torch
 from megatron.core import parallel_state as ps
 
 from aligner.algorithms.online import samples as rl_samples
-from aligner.algorithms.online.loss import PolicyLoss, logprobs_output, token_logprob_values, token_values
+from aligner.algorithms.online.loss import (PolicyLoss, logprobs_output, set_advantages_and_validity,
+                                           token_logprob_values, token_values)
 from aligner.algorithms.online.maths import kl_penalty
 from aligner.algorithms.online.rollouts import RolloutTrainer, Timings
 from aligner.algorithms.online.samples import Sample
@@ -77,8 +78,7 @@ class RLTrainer(RolloutTrainer):
             rl_samples.subtract_kl(samples, self.sample_kl(micro, mine, samples), self.kl_coef)
         rl_samples.set_advantages(samples, self.a)
         for batch, group in zip(micro, self.groups_of(mine)):
-            batch["advantages"] = torch.tensor([s.advantage for s in group], dtype=torch.float32)
-            batch["response_mask"] = batch["response_mask"] * torch.tensor([[float(s.valid)] for s in group])
+            set_advantages_and_validity(batch, group)
         with timings("train"):
             update = self.update(micro, length, samples)
         with timings("refit"):
