@@ -8,7 +8,7 @@ arguments: `attention_mask` None means causal; otherwise a bool mask [b, 1, s_q,
 attention is NOT allowed (packed rows, `aligner.data.packing.tree_attention_mask`), or a
 `BlockDiagonalMask` (flat packed rows: independent blocks of one row, each attended on its own, so
 no work is spent on the all-masked space between blocks). Grouped-query attention is handled by the
-kernel (no repeated keys).
+kernel (no repeated keys), except in masked calls, whose keys are repeated (`FusedCoreAttention._attend`).
 
 Not covered, so `use_fused_attention` leaves such layers alone: attention dropout (megatron draws it
 from its tensor-parallel RNG tracker), context parallelism (`cp_attention.py`) and the
@@ -42,7 +42,7 @@ class BlockDiagonalMask:
 
     bounds: list[int]
     allowed: list[torch.Tensor | None]
-    _plan: tuple | None = field(default=None, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)  # device -> causal_groups' plan
 
     @classmethod
     def from_tree(cls, segments: torch.Tensor, parents: torch.Tensor, bounds: list[int]) -> "BlockDiagonalMask":
@@ -57,12 +57,13 @@ class BlockDiagonalMask:
         return cls(list(bounds), [None if one_segment(a, e) else ~tree_attention_mask(segments[:, a:e], parents[:, a:e])
                                   for a, e in zip(bounds, bounds[1:])])
 
-    def causal_groups(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """([(gather [m, L] row positions, real [m * L] bool) per group of causal blocks], the permutation
-        that puts the groups' real outputs, then the other blocks' in row order, back in row order). A
-        group's blocks are within 4/3 of its longest, so padding at most about doubles a group's attention
-        work; its padded slots repeat each block's last position. Computed once per mask."""
-        if self._plan is None:
+    def causal_groups(self, device: torch.device) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """([(gather [m, L] row positions, kept [r] indices of its real slots, flat) per group of causal blocks], the
+        permutation that puts the groups' real outputs, then the other blocks' in row order, back in row order), on
+        `device`. A group's blocks are within 4/3 of its longest, so padding at most about doubles a group's
+        attention work; its padded slots repeat each block's last position. Computed once per mask and device,
+        as index tensors: every layer reuses them, with no host-to-GPU copy or boolean indexing (each a sync)."""
+        if device not in self._plans:
             spans = list(zip(self.bounds, self.bounds[1:]))
             blocks = sorted(((e - a, a) for (a, e), mask in zip(spans, self.allowed) if mask is None), reverse=True)
             groups, order = [], []
@@ -74,12 +75,12 @@ class BlockDiagonalMask:
                 starts = torch.tensor([a for _, a in members])
                 sizes = torch.tensor([n for n, _ in members])
                 gather = starts[:, None] + torch.minimum(steps[None, :], sizes[:, None] - 1)
-                real = (steps[None, :] < sizes[:, None]).flatten()
-                groups.append((gather, real))
-                order.append(gather.flatten()[real])
+                kept = (steps[None, :] < sizes[:, None]).flatten().nonzero().flatten()
+                groups.append((gather.to(device), kept.to(device)))
+                order.append(gather.flatten()[kept])
             order += [torch.arange(a, e) for (a, e), mask in zip(spans, self.allowed) if mask is not None]
-            self._plan = (groups, torch.cat(order).argsort())
-        return self._plan
+            self._plans[device] = (groups, torch.cat(order).argsort().to(device))
+        return self._plans[device]
 
 
 class FusedCoreAttention(MegatronModule):
@@ -118,19 +119,18 @@ class FusedCoreAttention(MegatronModule):
     def _attend_blocks(self, query, key, value, mask: BlockDiagonalMask, blocks):
         """A flat row's attention: its causal blocks in `causal_groups`' batched calls, the others one by
         one; the outputs put back in row order."""
-        groups, to_rows = mask.causal_groups()
+        groups, to_rows = mask.causal_groups(query.device)
         _, b, heads, dim = query.shape
         outputs = []
-        for gather, real in groups:
+        for gather, kept in groups:
             m, longest = gather.shape
-            index = gather.flatten().to(query.device)
             # [m * L, b, ...] -> [L, m * b, ...]: each block a batch row of its own
-            q, k, v = (x.index_select(0, index).view(m, longest, b, *x.shape[2:]).transpose(0, 1)
+            q, k, v = (x.index_select(0, gather.flatten()).view(m, longest, b, *x.shape[2:]).transpose(0, 1)
                        .reshape(longest, m * b, *x.shape[2:]) for x in (query, key, value))
             out = self._attend(q, k, v, None).view(longest, m, b, heads * dim).transpose(0, 1)
-            outputs.append(out.reshape(m * longest, b, heads * dim)[real.to(query.device)])
+            outputs.append(out.reshape(m * longest, b, heads * dim).index_select(0, kept))
         outputs += [self._attend(q, k, v, allowed) for q, k, v, allowed in blocks if allowed is not None]
-        return torch.cat(outputs).index_select(0, to_rows.to(query.device))
+        return torch.cat(outputs).index_select(0, to_rows)
 
     def _attend_read_rows(self, blocks, bounds):
         """The flat row's attention at the positions `read_rows` only -> [len(read_rows), 1, heads * d]."""
@@ -149,9 +149,15 @@ class FusedCoreAttention(MegatronModule):
     def _attend(self, query, key, value, allowed):
         s, b, heads, dim = query.shape
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        grouped = key.shape[2] != heads
+        if grouped and allowed is not None:
+            # a masked call with grouped keys would fall back to CUDA's math kernel (its grouped-query support is
+            # flash's, which takes no mask), materialising fp32 [b, heads, s, s] scores: repeat the keys instead,
+            # for the memory-efficient kernel
+            k, v = (x.repeat_interleave(heads // key.shape[2], dim=1) for x in (k, v))
+            grouped = False
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.softmax_scale,
-            enable_gqa=key.shape[2] != heads)
+            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.softmax_scale, enable_gqa=grouped)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
 
 

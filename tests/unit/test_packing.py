@@ -268,7 +268,7 @@ def test_a_flat_rows_one_sequence_blocks_are_attended_together_as_each_alone(mon
     bounds = single["blocks"] + [b + single["blocks"][-1] for b in tree["blocks"][1:]]
     mask = BlockDiagonalMask.from_tree(segments, parents, bounds)
     assert [m is None for m in mask.allowed] == [True] * len(sizes) + [False] * (len(tree["blocks"]) - 1)
-    groups, _ = mask.causal_groups()
+    groups, _ = mask.causal_groups(torch.device("cpu"))
     # a sequence of n tokens is n - 1 positions; groups are within 4/3 of their longest: 19 18 17 15 | 6 | 4 | 2
     assert [tuple(g_.shape) for g_, _ in groups] == [(4, 19), (1, 6), (1, 4), (1, 2)]
 
