@@ -82,7 +82,13 @@ def serve(path: str | Path, modules=PRELOAD) -> None:
     """Preload, then fork a child for each request on the Unix socket `path` until our parent exits.
     One thread only: a fork copies just the calling thread, so there must be no other to hold a lock."""
     os.environ["OMP_NUM_THREADS"] = "1"  # else importing torch starts an OpenMP thread; children set their own
+    # a CUDA driver initialised here would be unusable in every fork: torch.cuda.is_available() (megatron_jit
+    # asks it as megatron is imported) counts devices through NVML instead of initialising the driver
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     preload(modules)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError("the zygote initialised CUDA while preloading; its forks could not use the GPU")
     # what was imported lives as long as any child: out of the collector's sight, a child's full collection
     # walks its own objects only (0.23 s -> ~0 here; PyTriton collects at every model's unload)
     gc.freeze()
