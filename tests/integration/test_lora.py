@@ -81,11 +81,13 @@ def _tensor_bytes() -> int:
     return sum(seen.values())
 
 
-def test_the_reference_of_a_lora_run_costs_no_second_copy():
-    """build_reference: reference.mode=model holds a second copy of the weights; with adapters, the policy
-    itself with its adapters off (its logits: the base's), and no new tensor bytes."""
+def test_the_reference_of_a_lora_run_costs_no_second_copy(monkeypatch):
+    """build_reference: reference.mode=model holds a second copy of the weights; cpu_swap copies the policy's own
+    to CPU memory and builds no second model (whose weights would sit on the device as they were copied out); with
+    adapters, the policy itself with its adapters off (its logits: the base's), and no new tensor bytes."""
     from omegaconf import OmegaConf
 
+    from aligner.algorithms.shared import reference as reference_module
     from aligner.algorithms.shared.reference import build_reference
     from aligner.config.schema import ModelConfig
     from aligner.models import lora
@@ -103,6 +105,11 @@ def test_the_reference_of_a_lora_run_costs_no_second_copy():
     full = build_reference(plain, gpt, 300, None)
     second_copy = _tensor_bytes() - before
     del full
+    with monkeypatch.context() as patch:
+        patch.setattr(reference_module, "build_policy", lambda *args: pytest.fail("cpu_swap built a second model"))
+        swapped = build_reference(plain, gpt, 300, "cpu_swap")
+    assert swapped.model is None and all(torch.equal(swapped.weights.tensors[n], p) for n, p in gpt.named_parameters())
+    del swapped
     adapted_cfg = OmegaConf.create({"model": OmegaConf.structured(ModelConfig(pretrained="base"))})
     adapted_cfg.model.lora.rank = 4
     lora.add_adapters(gpt, adapted_cfg.model.lora)

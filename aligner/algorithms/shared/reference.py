@@ -2,10 +2,11 @@
 (`model.pretrained`, or the seeded initialisation). `reference.mode` says where it lives:
 * `model`: a second GPTModel with the policy's layout (memory: one more copy of the weights).
 * `cpu_swap`: its weights stay in CPU memory and are copied into the policy for the reference pass,
-  then the policy's weights are copied back (`aligner.models.weight_swap`; memory: none on the device).
-* `precompute`: its log-probs are computed once for every sample before training and cached in
-  `<run_dir>/reference/<split>.pt` (keyed by a fingerprint of the tokens and of the reference), so
-  a resumed run reads them back; no reference weights are kept during training.
+  then the policy's weights are copied back (`aligner.models.weight_swap`; memory: none on the device, at
+  no point: they are taken from the policy before it trains, not from a second model).
+* `precompute`: its log-probs are computed once for every sample before training, by a `cpu_swap`
+  reference, and cached in `<run_dir>/reference/<split>.pt` (keyed by a fingerprint of the tokens and of
+  the reference), so a resumed run reads them back; no reference weights are kept during training.
 A LoRA run (`model.lora.rank > 0`) has no reference weights of its own: its reference is the policy
 with its adapters off, the frozen base (`adapters`); after SPIN renews it, a copy of the adapters at
 that point (tensors of rank r) is swapped in for the reference pass instead.
@@ -48,6 +49,15 @@ class Reference:
         if mode == "adapters":
             self.model, self.adapters = None, None  # None: the base itself
             return
+        if mode == "cpu_swap":
+            # no second model, whose weights would occupy the device while they are copied out: the policy's own
+            # initial weights, `pretrained` loaded into it first (the trainer loads them again as it resumes)
+            if pretrained:
+                checkpoint.load_weights(pretrained, policy)
+            params = named_parameters(policy)
+            self.weights, self.backup = CpuWeights(params), CpuWeights(params, copy=False)
+            self.model = None
+            return
         model = build_policy(model_cfg, vocab_size)
         if pretrained:
             checkpoint.load_weights(pretrained, model)
@@ -58,12 +68,7 @@ class Reference:
         if model_cfg.params_dtype == "bfloat16":
             model = Float16Module(model.config, model)
         model.eval()
-        if mode == "cpu_swap":
-            self.weights = CpuWeights(named_parameters(model))
-            self.backup = CpuWeights(named_parameters(model), copy=False)
-            self.model = None
-        else:
-            self.model = model
+        self.model = model
 
     def load_from(self, params: dict[str, torch.Tensor]) -> None:
         """Make `params` (a model's named parameters) the reference weights (SPIN renews it)."""

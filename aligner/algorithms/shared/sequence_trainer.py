@@ -88,7 +88,7 @@ class SequenceTrainer(Trainer):
         if self.algorithm.uses_reference:
             m = self.cfg.model
             self.reference = build_reference(self.cfg, self.model, self.vocab_size,
-                                             None if self.reference_mode == "precompute" else self.reference_mode)
+                                             "cpu_swap" if self.reference_mode == "precompute" else self.reference_mode)
             if self.reference_mode == "precompute":
                 reference_id = f"{m.pretrained or f'init seed={self.cfg.trainer.seed}'} {dict(m)}"
                 common = (self.reference, self.algorithm.reference_sequences, reference_id,
