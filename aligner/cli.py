@@ -35,6 +35,7 @@ from aligner import errors
 from aligner.errors import ArgumentParser, UsageError
 from aligner.launch.local import RanksPreempted, launch
 from aligner.launch.zygote_relay import run_forked
+from aligner.launcher_env import outer_world_size
 from aligner.observe.logs import send_warnings_to_log, silence_expected_warnings, use_run_log_dir
 from aligner.runtime import preemption
 
@@ -50,7 +51,7 @@ def algorithm_names() -> str:
 
 
 def _under_external_launcher() -> bool:
-    return "WORLD_SIZE" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    return outer_world_size() is not None
 
 
 def train(algorithm: str, overrides: list[str]) -> int:

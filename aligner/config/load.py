@@ -20,6 +20,7 @@ from aligner import CONF_DIR
 from aligner.config.registry import COMMAND_CONFIGS
 from aligner.config.validate import validate
 from aligner.errors import ConfigError, UserError
+from aligner.launcher_env import outer_world_size
 
 
 def _summary(error: BaseException) -> str:
@@ -125,8 +126,5 @@ def load_resolved(path: str | Path, command: str = "sft") -> DictConfig:
 
 def expected_world_size(cfg) -> int:
     """Ranks this run will have: an outer launcher's world, else nproc_per_node x Slurm nodes."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        return int(os.environ["SLURM_NTASKS"])
-    return cfg.launcher.nproc_per_node * int(os.environ.get("SLURM_NNODES", "1"))
+    outer = outer_world_size()
+    return outer if outer is not None else cfg.launcher.nproc_per_node * int(os.environ.get("SLURM_NNODES", "1"))

@@ -1,8 +1,8 @@
 """Process-group set-up from whichever launcher started us, and megatron parallel state.
 
 Launchers we recognise, in order: torchrun (and our embedded launcher, which sets the same
-variables), Slurm `srun` (SLURM_PROCID/SLURM_NTASKS, MASTER_ADDR exported by the sbatch script),
-and a plain single process.
+variables), a Slurm `srun` step (SLURM_STEP_ID set, SLURM_PROCID/SLURM_NTASKS, MASTER_ADDR exported by the
+sbatch script), and a plain single process (also a command in the sbatch script itself).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from aligner.launcher_env import in_srun_step
 from aligner.observe.logs import configure_logging
 from aligner.runtime import collectives, cpu_shims, preemption
 from aligner.runtime.cpu_memory import keep_freed_memory
@@ -32,7 +33,7 @@ class ProcessInfo:
 def process_info_from_env(env=os.environ) -> ProcessInfo:
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun / embedded launcher
         rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
-    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun, one task per device
+    elif in_srun_step(env):  # one task per device (a command in the batch script itself is one process)
         rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
         if "MASTER_ADDR" not in env:
             raise RuntimeError("running under srun with several tasks but MASTER_ADDR is not set; export it in the "

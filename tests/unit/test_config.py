@@ -173,3 +173,19 @@ def test_lora_reference_defaults(tmp_path, monkeypatch):
                       world_size=1)
     assert cfg.model.lora.rank == 8 and cfg.model.lora.target_modules == ["linear_qkv", "linear_proj",
                                                                           "linear_fc1", "linear_fc2"]
+
+
+def test_only_an_srun_step_or_torchrun_makes_a_process_one_rank_of_several():
+    """Slurm's batch step (the sbatch script itself: SLURM_PROCID 0 and the job's SLURM_NTASKS, no step id, as
+    measured on Slurm 22.05) is one process; an srun step of several tasks and torchrun are ranks of a world."""
+    from aligner.launcher_env import outer_world_size
+    from aligner.runtime.distributed import process_info_from_env
+
+    batch_step = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_LOCALID": "0",
+                  "SLURM_NNODES": "2", "MASTER_ADDR": "node1"}
+    assert outer_world_size(batch_step) is None and process_info_from_env(batch_step).world_size == 1
+    srun_task = {**batch_step, "SLURM_STEP_ID": "0", "SLURM_PROCID": "9", "SLURM_LOCALID": "1"}
+    assert outer_world_size(srun_task) == 16
+    info = process_info_from_env(srun_task)
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr) == (9, 16, 1, "node1")
+    assert outer_world_size({"WORLD_SIZE": "4", "RANK": "2"}) == 4 and outer_world_size({}) is None
