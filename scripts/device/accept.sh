@@ -2,7 +2,7 @@
 # The device acceptance kit, on a lent GPU machine (no network; its python3 holds torch 2.11+cu130 and transformers).
 # Installs what the call carried from .whl/ (scripts/device/wheels.sh built it here) into a temporary target with
 # --no-index, puts that and this tree on PYTHONPATH (aligner runs from the tree: no install), then runs
-# bench/accept.py --out $OUT within 8 minutes. Arguments pass through:
+# bench/accept.py --out $OUT within 9 minutes (a device call may take 10). Arguments pass through:
 #   bash scripts/device/accept.sh --commit SHA                   every check (carry [.whl/core, .whl/peer, .whl/fp8])
 #   bash scripts/device/accept.sh --commit SHA --only ppo        PPO (carry [.whl/core, .whl/ppo])
 #   bash scripts/device/accept.sh --commit SHA --only sft mfu    rerun some checks into the same accept.json
@@ -22,4 +22,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 for t in "${tarballs[@]}"; do tar -xJf "$t" -C "$SITE" || exit 2; done  # PyTriton: its installed tree, xz-packed
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 [ -d .whl/peer/bench-trl ] && export ALIGNER_TRL_BENCH_DIR="$PWD/.whl/peer/bench-trl"
-timeout -k 15 480 python3 bench/accept.py --out "${OUT:-runs/accept}" --budget 450 "$@"
+timeout -k 15 540 python3 bench/accept.py --out "${OUT:-runs/accept}" --budget 510 "$@"
