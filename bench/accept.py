@@ -131,7 +131,7 @@ def run_check(name: str, limit: float, args, log: Path) -> tuple[dict, bool]:
         env["CUDA_VISIBLE_DEVICES"] = ""  # every run of the dry run is on the CPU, on any host
     cmd = [sys.executable, "-m", "bench.accept", "--check", name, "--work", str(args.work),
            *(["--dry-run"] if args.dry_run else [])]
-    start = time.perf_counter()
+    start, wall_start = time.perf_counter(), time.time()
     with open(log, "w") as out:
         proc = zygote.popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         status, stopped = None, False
@@ -149,6 +149,7 @@ def run_check(name: str, limit: float, args, log: Path) -> tuple[dict, bool]:
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     if status is not None:
         record.update(status)
+        append_command_tails(args.work / "checks" / name, log, since=wall_start)
     elif not record:
         record = {"status": "fail", "reason": f"the check's process exited {proc.returncode} without a record"}
     record["seconds"] = round(seconds, 1)
@@ -157,6 +158,15 @@ def run_check(name: str, limit: float, args, log: Path) -> tuple[dict, bool]:
     if record["status"] not in ("pass", "skipped"):
         record["error"] = tail(log, LOG_TAIL)
     return record, stopped
+
+
+def append_command_tails(folder: Path, log: Path, since: float) -> None:
+    """The tails of the command logs (Context.logged) that a check wrote since `since`, added to its log: a check
+    ended at its limit never printed the output of the command it was waiting for."""
+    runs = sorted((p for p in folder.glob("run*_*.*") if p.stat().st_mtime >= since), key=lambda p: p.name)
+    with open(log, "a") as out:
+        for path in runs:
+            out.write(f"\n--- {path.name} (its last {LOG_TAIL} characters) ---\n{tail(path, LOG_TAIL)}\n")
 
 
 def child(name: str, work: Path, dry: bool) -> None:

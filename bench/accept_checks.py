@@ -8,6 +8,7 @@ tiny sizes); speed and GPU-memory gates only on a GPU.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -96,6 +97,7 @@ class Context:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.expected: dict = {}
         self.measured: dict = {}
+        self._runs = itertools.count()  # numbers the logs of its commands (Context.logged)
 
     # ---- verdicts -------------------------------------------------------------------------------------
     def judge(self, correct: dict[str, bool], on_gpu: dict[str, bool] | None = None) -> dict:
@@ -133,14 +135,24 @@ class Context:
         start = time.perf_counter()
         print(f"[{self.name}] {device}: aligner {' '.join(args)}", flush=True)
         # a session of its own: the zygote forks only into one (the check runs in a session of its own too)
-        result = zygote.run([sys.executable, "-m", "aligner.cli", *args], cwd=REPO, env=self.env(device),
-                            start_new_session=True)
+        result = self.logged([sys.executable, "-m", "aligner.cli", *args], self.env(device), args[0], zygote.popen)
         print(result.stdout[-4000:] + result.stderr[-8000:], flush=True)
         print(f"[{self.name}] exit {result.returncode} after {time.perf_counter() - start:.1f} s", flush=True)
         if check and result.returncode:
             raise CommandFailed(f"aligner {' '.join(args[:2])} exited {result.returncode}: "
                                 f"{(result.stderr or result.stdout)[-1500:]}")
         return result
+
+    def logged(self, cmd: list[str], env: dict, label: str, popen=subprocess.Popen) -> subprocess.CompletedProcess:
+        """`cmd` with its output written as it comes to `run<N>_<label>.out` / `.err` in this check's folder
+        (bench/accept.py adds their tails to the log of a check that runs past its time, whose own output
+        would otherwise end with the command line); the CompletedProcess holds both texts."""
+        path = self.dir / f"run{next(self._runs):02d}_{label}"
+        with open(path.with_suffix(".out"), "w") as out, open(path.with_suffix(".err"), "w") as err:
+            with popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True) as process:
+                returncode = process.wait()
+        return subprocess.CompletedProcess(cmd, returncode, *(path.with_suffix(suffix).read_text(errors="replace")
+                                                              for suffix in (".out", ".err")))
 
     # ---- shared assets (built once per work directory, by the first check that needs them) ----------------
     def assets(self) -> Path:
@@ -303,8 +315,7 @@ def pytest_gpu(ctx: Context) -> dict:
     xml.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *files]
     print(" ".join(cmd), flush=True)
-    result = subprocess.run(cmd, cwd=REPO, env=ctx.env("cuda" if not ctx.dry else "cpu"), capture_output=True,
-                            text=True)
+    result = ctx.logged(cmd, ctx.env("cuda" if not ctx.dry else "cpu"), "pytest")
     print(result.stdout[-6000:], result.stderr[-4000:], flush=True)
     m = ctx.measured
     m["files"], m["exit"] = files, result.returncode

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -103,6 +104,9 @@ def test_a_check_past_its_time_is_ended_and_recorded_as_a_timeout(tmp_path):
     assert result.returncode == 1
     record = json.loads((tmp_path / "out" / "accept.json").read_text())["checks"]["sft"]
     assert record["status"] == "timeout" and "21 s" in record["reason"] and 21 <= record["seconds"] < 40
+    # the output of the commands it was waiting for, which it never got to print, is in its log
+    log = (tmp_path / "work" / "logs" / "sft.log").read_text()
+    assert re.search(r"--- run\d\d_(convert|train)\.(out|err) \(its last", log), log[-2000:]
     left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
             if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert left == []
