@@ -92,3 +92,23 @@ def test_train_ppo_refuses_a_critic_layout_naming_its_key(overrides, fragment):
 def test_the_planner_command_line_says_it_fits():
     result = run_cli("plan", "dpo", "model=llama3_8b", "cluster.nodes=1", timeout=120)
     assert result.returncode == 0 and result.stdout.rstrip().endswith("fits"), result.stdout + result.stderr
+
+
+def test_train_checks_a_gpu_hosts_memory_before_any_rank_starts(monkeypatch):
+    """`aligner train`'s preflight runs only on a CUDA host, so no CPU run reaches it otherwise: with this host's
+    device faked as an H100 80GB, DPO on the 8B fits its model file's layout over one node's 8 GPUs, and the same
+    run on one GPU without TP is refused naming what the trainer's GPU needs and what it has."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from aligner.errors import UsageError
+    from aligner.plan.cli import preflight
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * GIB))
+    preflight("dpo", compose("dpo", ["model=llama3_8b"]), 8, 1)
+    alone = compose("dpo", ["model=llama3_8b", "model.tensor_model_parallel_size=1",
+                            "optim.distributed_optimizer=false"])
+    with pytest.raises(UsageError, match=r"the trainer's GPUs need [\d.]+ GiB each .* but a h100-80gb has [\d.]+ GiB"):
+        preflight("dpo", alone, 1, 1)
