@@ -5,22 +5,25 @@
 On the GPU machine, scripts/device/accept.sh installs the carried wheels and runs this within 9 minutes.
 `--dry-run` runs every check on CPU at tiny sizes (fp32 runs stay fp32, bf16 runs are CPU bf16, the ~1B model
 becomes a 4-layer one, a few steps); tests/e2e/test_device_kit.py runs it in CI, so the kit cannot rot between loans.
-The checks, in order (bench/accept_checks.py holds each, its sizes and its gates):
+The checks, in order (bench/accept_checks.py holds each, its sizes and its gates, and why this order):
   env         GPU, driver, torch, CUDA, NCCL, megatron-core, TE / TensorRT-LLM present or absent, `aligner doctor`
-  pytest_gpu  `pytest -m gpu`
   sft         20 steps from the same converted weights: CPU fp32 vs CUDA fp32 (relative loss difference <= 1e-3 at
               every step), CUDA bf16 (finite, within 3e-2), packed vs padded
   checkpoint  a step-10 checkpoint resumed CPU -> CUDA, CUDA -> CPU and CUDA -> CUDA, against the uninterrupted runs
-  te          Transformer Engine: the spec transformer_impl=auto builds and why, each spec's checkpoint keys, and
-              checkpoints across specs (converted and local into TE, TE into local, TE resumed); without TE
-              on a CUDA host, skipped after the same loads with the local spec standing in
   grpo        10 steps, bf16: finite metrics, mismatch/token_prob_error <= 1.1, `aligner doctor` exits 0
   reinforce   the same with algorithm.kl.mode=reward
-  ppo         5 steps with the critic service, when PyTriton is installed (a second call carries it)
   generate    a ~1B Llama (random weights, bf16): aligner's engine vs transformers' generate, tokens/s at
               batch 1/32/128, prompt 128, 128 new tokens; batch 1 against the HBM bandwidth bound
   mfu         packed SFT of the same model, bf16, sequence 2048: MFU, and the peak memory against `aligner plan`
+  rl_async    GRPO with a separate rollout worker at lag 1
+  te          Transformer Engine: the spec transformer_impl=auto builds and why, each spec's checkpoint keys, and
+              checkpoints across specs (converted and local into TE, TE into local, TE resumed); without TE
+              on a CUDA host, skipped after the same loads with the local spec standing in
+  pytest_gpu  `pytest -m gpu`
   trl         GRPO's step against TRL's GRPOTrainer on the same GPU and configuration (bench/rl_vs_trl.py's case)
+  ppo         5 steps with the critic service, when PyTriton is installed (a second call carries it)
+On the device, where no zygote was handed to it, the kit starts its own and forks its processes from it once a
+forked probe has used the GPU (bench/accept_zygote.py).
 Each check runs in a process of its own under its own time limit (and the run's --budget), so a hang costs
 one check. DIR/accept.json holds the commit, the device and one record per check: status (pass, fail,
 known_fail, timeout, skipped), seconds, expected and measured figures, a reason, and the tail of its log
@@ -46,6 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from aligner.launch import zygote  # noqa: E402  (stdlib only)
 from bench.accept_checks import CHECKS, Context  # noqa: E402
+from bench.accept_zygote import KitZygote, probe  # noqa: E402
 
 MIN_CHECK_S = 20  # a check is not started with less of the budget left
 LOG_TAIL = 3000  # characters of a check's log kept in its record when it did not pass
@@ -189,15 +193,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="where accept.json and accept.log go (default: $OUT, else runs/accept)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help=f"rerun these checks: {', '.join(CHECKS)}")
     parser.add_argument("--dry-run", action="store_true", help="every check on CPU at tiny sizes")
-    parser.add_argument("--budget", type=float, default=510.0, help="seconds for all checks together")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all checks together")
     parser.add_argument("--work", type=Path, default=Path("/tmp/aligner-accept"), help="runs and assets")
     parser.add_argument("--commit", help="the commit this tree is (default: git's HEAD, else $ALIGNER_COMMIT)")
     parser.add_argument("--check", help=argparse.SUPPRESS)  # internal: run one check in this process
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # internal: bench/accept_zygote.py
     args = parser.parse_args(argv)
     args.work = args.work.resolve()
     if args.check:
         child(args.check, args.work, args.dry_run)
         return 0
+    if args.probe:
+        return probe()
     unknown = [n for n in args.only or [] if n not in CHECKS]
     if unknown:
         parser.error(f"unknown check {', '.join(unknown)}; the checks are {', '.join(CHECKS)}")
@@ -224,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         raise Stopped()
 
     signal.signal(signal.SIGTERM, stop)
+    kit_zygote = None if args.dry_run else KitZygote()  # before the budget's clock: it waits <= READY_WITHIN_S
+    if kit_zygote is not None:
+        result["zygote"] = kit_zygote.state
+        print(f"accept: zygote {kit_zygote.state}", flush=True)
     deadline = time.monotonic() + args.budget
     todo = [n for n in CHECKS if not args.only or n in args.only]
     print(f"accept: {len(todo)} check(s) on {result['device']}, commit {commit}, budget {args.budget:.0f} s",
@@ -251,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped:
         print("accept: stopped (SIGTERM)", file=sys.stderr)
         return 124
+    finally:
+        if kit_zygote is not None:
+            kit_zygote.stop()
     bad = [n for n in todo if result["checks"][n]["status"] in ("fail", "timeout")]
     print(f"accept: {result_path}" + (f"; not passed: {', '.join(bad)}" if bad else ""), flush=True)
     return 1 if bad else 0

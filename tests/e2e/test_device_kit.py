@@ -35,7 +35,7 @@ def accept(*args: str, timeout: int = 900, env: dict | None = None) -> subproces
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("accept")
-    # the kit's 510 s budget is a GPU session's; here the dry run shares two cores with the rest of the suite
+    # the kit's 480 s budget is a GPU session's; here the dry run shares two cores with the rest of the suite
     result = accept("--out", str(root / "out"), "--work", str(root / "work"), "--commit", "abc123", "--budget", "1800")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return root
@@ -110,6 +110,26 @@ def test_a_check_past_its_time_is_ended_and_recorded_as_a_timeout(tmp_path):
     left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
             if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert left == []
+
+
+def test_on_the_device_the_kit_forks_from_its_own_zygote_once_a_forked_probe_passed(monkeypatch):
+    """bench/accept_zygote.py, as the lent machine runs it (no zygote handed over): the probe forked from it ran its
+    operation (here on the CPU), the checks' processes are then told to fork from it, and stopping it ends it and
+    gives the caller back its environment."""
+    from aligner.launch import zygote
+    from bench.accept_zygote import KitZygote
+
+    for variable in (zygote.ZYGOTE_VARIABLE, "SLURM_JOB_ID"):
+        monkeypatch.delenv(variable, raising=False)
+    kit = KitZygote()
+    try:
+        assert kit.state == "used: probe: cpu 8 forked=True", kit.state
+        assert zygote.zygote_socket() == str(kit.socket)
+        forked = zygote.run([sys.executable, "-m", "bench.accept", "--probe"], cwd=REPO, env=dict(os.environ))
+        assert forked.stdout.strip() == "probe: cpu 8 forked=True"
+    finally:
+        kit.stop()
+    assert kit.process.poll() is not None and zygote.ZYGOTE_VARIABLE not in os.environ and not kit.folder.exists()
 
 
 def test_unknown_check_is_refused():
