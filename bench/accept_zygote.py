@@ -47,10 +47,7 @@ class KitZygote:
             return
         self.folder = folder = Path(tempfile.mkdtemp(prefix="aligner-accept-zygote-"))
         self.socket = folder / "socket"
-        with open(folder / "zygote.log", "w") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "aligner.launch.zygote", str(self.socket)],
-                                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, zygote.ZYGOTE_VARIABLE: ""})
+        self.process = zygote.start(folder, REPO, env={**os.environ, zygote.ZYGOTE_VARIABLE: ""})
         self.state = self._adopt(folder / "zygote.log")
 
     def _adopt(self, log: Path) -> str:

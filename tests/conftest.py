@@ -30,7 +30,7 @@ import psutil
 import pytest
 from filelock import FileLock
 
-from aligner.launch.zygote import ZYGOTE_VARIABLE, popen, run
+from aligner.launch.zygote import ZYGOTE_VARIABLE, popen, run, start as start_zygote
 
 REPO = Path(__file__).resolve().parent.parent
 TIERS = ("unit", "integration", "e2e")
@@ -230,10 +230,7 @@ def pytest_configure(config):
     if os.environ.get("ALIGNER_TEST_ZYGOTE", "1") == "0" or os.environ.get(ZYGOTE_VARIABLE):
         return
     where = Path(tempfile.mkdtemp(prefix="aligner-zygote-"))
-    with open(where / "zygote.log", "w") as log:
-        _zygote = subprocess.Popen([sys.executable, "-m", "aligner.launch.zygote", str(where / "socket")], cwd=REPO,
-                                   stdin=subprocess.DEVNULL,
-                                   stdout=log, stderr=subprocess.STDOUT)
+    _zygote = start_zygote(where, REPO)
     os.environ[ZYGOTE_VARIABLE] = str(where / "socket")
 
 

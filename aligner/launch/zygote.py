@@ -395,6 +395,14 @@ def _read(connection: socket.socket, size: int) -> bytes:
 TITLE_ROOM = 1 << 15  # bytes of padding in the zygote's command line: room for its children's (`_retitle`)
 
 
+def start(folder: Path, cwd: str | Path, env: dict | None = None) -> subprocess.Popen:
+    """A zygote serving on `folder`/socket (ready once that socket exists), its output in `folder`/zygote.log: the
+    test session's (tests/conftest.py) and the device kit's (bench/accept_zygote.py)."""
+    with open(Path(folder) / "zygote.log", "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "aligner.launch.zygote", str(Path(folder) / "socket")], cwd=cwd,
+                                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+
 def main(argv: list[str]) -> None:
     """`python -m aligner.launch.zygote SOCKET`: re-executes itself once with padded arguments, then serves."""
     if len(argv) == 1:
