@@ -103,15 +103,19 @@ def tail(path: Path, chars: int) -> str:
 def end_tree(proc: subprocess.Popen, work: Path) -> None:
     """Kill a check's process and every process it started: its session, its descendants that started sessions
     of their own (each run does, and PPO's critic service), and the processes that a zygote forked for it, which
-    are not its descendants, with their own: those whose command line names the kit's work directory (each run's
-    paths are under it), this process and its parents aside."""
+    are not its descendants, with their own: those whose command line names a path under the kit's work directory
+    (each run's paths are), this process, its parents and the zygotes aside (the kit's own zygote, whose socket's
+    folder may share the work directory's prefix, serves the next checks)."""
     import psutil
 
     spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    under_work = os.path.join(str(work), "")
     victims = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if p.pid == proc.pid or (p.pid not in spared and str(work) in " ".join(p.info["cmdline"] or [])):
+            cmdline = p.info["cmdline"] or []
+            zygote = cmdline[1:3] == ["-m", "aligner.launch.zygote"]
+            if p.pid == proc.pid or (p.pid not in spared and not zygote and under_work in " ".join(cmdline)):
                 victims += [p, *p.children(recursive=True)]
         except psutil.Error:
             pass
@@ -231,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         raise Stopped()
 
     signal.signal(signal.SIGTERM, stop)
-    kit_zygote = None if args.dry_run else KitZygote()  # before the budget's clock: it waits <= READY_WITHIN_S
+    deadline = time.monotonic() + args.budget  # the zygote's start and probe count: accept.sh's margin is for the rest
+    kit_zygote = None if args.dry_run else KitZygote()
     if kit_zygote is not None:
         result["zygote"] = kit_zygote.state
         print(f"accept: zygote {kit_zygote.state}", flush=True)
-    deadline = time.monotonic() + args.budget
     todo = [n for n in CHECKS if not args.only or n in args.only]
     print(f"accept: {len(todo)} check(s) on {result['device']}, commit {commit}, budget {args.budget:.0f} s",
           flush=True)

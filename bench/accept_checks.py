@@ -19,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
@@ -276,6 +277,9 @@ def env(ctx: Context) -> dict:
     m["torch"] = torch.__version__
     m["cuda_available"] = torch.cuda.is_available()
     m["torch_cuda"] = torch.version.cuda
+    # PyTriton's stub (the ppo check) needs a shared libpython (aligner/servers/triton.fix_libpython): known before
+    # a device call is spent on it
+    m["libpython"] = {key: sysconfig.get_config_var(key) for key in ("Py_ENABLE_SHARED", "LIBDIR", "LDLIBRARY")}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         m.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 2),

@@ -21,6 +21,7 @@ from aligner.launch import zygote
 
 REPO = Path(__file__).resolve().parent.parent
 READY_WITHIN_S = 30.0  # the longest the kit waits for the zygote's imports (~10 s on the lent machines)
+PROBE_WITHIN_S = 20.0  # its forked probe: CUDA's start-up and one operation (a few seconds)
 
 
 def probe() -> int:
@@ -61,9 +62,10 @@ class KitZygote:
             time.sleep(0.1)
         env = {**os.environ, zygote.ZYGOTE_VARIABLE: str(self.socket)}
         try:
-            result = zygote.run([sys.executable, "-m", "bench.accept", "--probe"], cwd=REPO, env=env, timeout=60)
+            result = zygote.run([sys.executable, "-m", "bench.accept", "--probe"], cwd=REPO, env=env,
+                                timeout=PROBE_WITHIN_S)
         except subprocess.TimeoutExpired:
-            result = subprocess.CompletedProcess([], -1, "", "no answer within 60 s")
+            result = subprocess.CompletedProcess([], -1, "", f"no answer within {PROBE_WITHIN_S:.0f} s")
         if result.returncode != 0 or "forked=True" not in result.stdout:
             self.stop()
             return f"not used: its forked probe failed (exit {result.returncode}): " + \

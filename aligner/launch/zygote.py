@@ -1,31 +1,30 @@
 """A warm process that forks ready-imported Python processes on request: start-up in milliseconds.
 
-Every rank, command and server spends its first ~5 s of CPU importing torch, megatron-core and transformers
-before it does any work. Most jobs of the test suite, and of a laptop's edit-run loop, are short enough for
-that to be most of their time. `serve` imports those libraries and aligner once, then forks one child per
-request. The child becomes `python -m MODULE ARGS...` with the requester's environment, working directory,
-signal mask, process group (or a new session) and standard streams, as a freshly executed interpreter would.
+Every rank, command and server spends its first ~5 s of CPU importing torch, megatron-core and transformers,
+most of the time of a test suite's jobs and of a laptop's edit-run loop. `serve` imports them and aligner once,
+then forks one child per request, which becomes `python -m MODULE ARGS...` with the requester's environment,
+working directory, signal mask, process group (or a new session) and standard streams, as a fresh one would.
 
     python -m aligner.launch.zygote SOCKET &   # imports once (seconds), then serves until its parent exits
     ALIGNER_ZYGOTE=SOCKET aligner train ...    # the command, its ranks and servers start through it
 
-`popen` is what the launcher and the tests' CLI helpers call instead of subprocess.Popen: through the zygote
-when `ALIGNER_ZYGOTE` names a live one in the requester's session (or the child starts a session of its own),
-else a plain Popen. A child can join the requester's process group only from the same session, so a server,
-which runs in a session of its own, starts its ranks as plain processes; the server itself (servers/process.py)
-forks, in a session of its own: ready in ~2.5 s of CPU against ~9 s fresh (a critic service, 2026-12-07). Only a
-process's parent can wait for it, so the zygote sends each child's wait status back on the request's connection,
-and `ZygoteProcess` (a Popen) reads it there; signals go to the child's pid directly.
+`popen` is what the launcher and the tests' CLI helpers call instead of subprocess.Popen: through the zygote when
+`ALIGNER_ZYGOTE` names a live one in the requester's session (or the child starts a session of its own), else a plain
+Popen. A child can join the requester's process group only from the same session, so a server, which runs in a session
+of its own, starts its ranks as plain processes; the server itself (servers/process.py) forks, in a session of its
+own: ready in ~2.5 s of CPU against ~9 s fresh (a critic service, 2026-12-07). Only a process's parent can wait for
+it, so the zygote sends each child's wait status back on the request's connection, and `ZygoteProcess` (a Popen) reads
+it there; signals go to the child's pid directly.
 
-What differs from a fresh interpreter: dependencies' import-time warnings were shown once, by the zygote;
-hash randomisation is the zygote's; the process's parent is the zygote, and its command line in /proc and ps
-is a title written over the zygote's (its arguments joined by spaces); torch and megatron are loaded before
-its first line runs. Under Slurm `popen` never uses it: a job's processes must stay in the job's allocation
-and receive its signals.
+What differs from a fresh interpreter: dependencies' import-time warnings were shown once, by the zygote; hash
+randomisation is the zygote's; the process's parent is the zygote, and its command line in /proc and ps is a title
+written over the zygote's (its arguments joined by spaces); torch and megatron are loaded before its first line runs.
+Under Slurm `popen` never uses it: a job's processes must stay in the job's allocation and receive its signals.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -41,6 +40,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import traceback
 import warnings
 import weakref
@@ -72,10 +72,8 @@ def preload(modules=PRELOAD) -> None:
                 getattr(module, attribute)
             if name == "aligner":
                 for info in pkgutil.walk_packages(module.__path__, "aligner."):
-                    try:
+                    with contextlib.suppress(ImportError):  # an optional dependency (TensorRT-LLM, TE) is absent
                         importlib.import_module(info.name)
-                    except ImportError:  # an optional dependency (TensorRT-LLM, Transformer Engine) is absent
-                        pass
 
 
 def serve(path: str | Path, modules=PRELOAD) -> None:
@@ -116,8 +114,7 @@ def serve(path: str | Path, modules=PRELOAD) -> None:
                 if pid == 0:
                     _become(request, fds)  # never returns: the child exits from there
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-                for fd in fds:
-                    os.close(fd)
+                list(map(os.close, fds))
                 connection.sendall(_WORD.pack(pid))
                 children[pid] = connection
             _report_exits(children)
@@ -129,8 +126,7 @@ def serve(path: str | Path, modules=PRELOAD) -> None:
 def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
     head, fds, _, _ = socket.recv_fds(connection, 65536, 3)
     if len(fds) != 3:
-        for fd in fds:
-            os.close(fd)
+        list(map(os.close, fds))
         raise ValueError("a request carries the three standard streams")
     (size,) = _WORD.unpack(head[:_WORD.size])
     body = bytearray(head[_WORD.size:])
@@ -149,11 +145,8 @@ def _report_exits(children: dict[int, socket.socket]) -> None:
             return
         connection = children.pop(pid, None)
         if connection is not None:
-            try:
+            with contextlib.suppress(OSError), connection:  # OSError: the requester is gone; so be it
                 connection.sendall(_WORD.pack(status))
-            except OSError:  # the requester is gone; so be it
-                pass
-            connection.close()
 
 
 _forked = False  # this process is a child the zygote forked (`forked_here`)
@@ -170,10 +163,8 @@ def _become(request: dict, fds: list[int]) -> None:
     if request["new_session"]:
         os.setsid()
     else:
-        try:
-            os.setpgid(0, request["pgid"])  # the requester's group: signals to it reach us, as they would a Popen child
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # the requester's group: signals to it reach us, as to a Popen child
+            os.setpgid(0, request["pgid"])
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # Popen's close_fds: the zygote's sockets are not the child's
@@ -305,8 +296,7 @@ def run(args: list[str], *, timeout: float | None = None, **kwargs) -> subproces
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            process.kill()  # Popen's exit waits for it
             raise
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
@@ -347,12 +337,20 @@ class ZygoteProcess(subprocess.Popen):
         self._child_created = True
 
     def _relayed_waitpid(self, pid: int, flags: int) -> tuple[int, int]:
-        """os.waitpid for our child: its wait status as the zygote reported it."""
+        """os.waitpid for our child: its wait status as the zygote reported it; where the zygote died first (a
+        timeout may end both), a SIGKILL status once the child is gone too, as the real status went with it."""
         if flags & os.WNOHANG and not _readable(self._report, 0):
             return 0, 0
-        data = _read(self._report, _WORD.size)
+        try:
+            status = _WORD.unpack(_read(self._report, _WORD.size))[0]
+        except ChildProcessError:
+            while _alive(self.pid):
+                if flags & os.WNOHANG:
+                    return 0, 0
+                time.sleep(0.05)
+            status = signal.SIGKILL
         self._report.close()
-        return self.pid, _WORD.unpack(data)[0]
+        return self.pid, status
 
     def _try_wait(self, wait_flags):
         return self._relayed_waitpid(self.pid, wait_flags)
@@ -380,6 +378,14 @@ def _readable(sock: socket.socket, timeout_s: float) -> bool:
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(timeout_s * 1000))
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs, a zombie not counted (an orphan of a dead zygote is no child of ours to wait for)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def _read(connection: socket.socket, size: int) -> bytes:

@@ -45,6 +45,7 @@ class NotACheckpoint(UserError, FileNotFoundError):
 # Distributed-optimizer state: one shard per DP rank, written in parallel with no gather. Such a
 # state resumes at the same TP/PP (any DP); the model weights themselves load at any layout.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+HEAD_PREFIX = "output_layer."  # the output layer's entries: a language model's or a scalar head's
 # how a model was run, not what it is: kept out of aligner.json's "model" (a run's own config decides them)
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "sequence_parallel", "recompute")
@@ -151,12 +152,12 @@ def latest_checkpoint(checkpoints_dir) -> Path | None:
     return max(found)[1] if found else None
 
 
-def _load_checked(path, inner, sharded: dict, skipped: frozenset[str] = frozenset()) -> dict:
+def _load_checked(path, inner, sharded: dict, head_unread: bool = False) -> dict:
     """Collective: dist_checkpointing.load of `sharded` ({"model": `inner`'s sharded state dict, and
     maybe "optimizer"}), with the model's keys checked one by one (checkpoint_keys.check_checkpoint_keys):
-    a TE model may find its extra state absent, a model may leave the checkpoint's extra state and the
-    `skipped` keys unread; any other mismatch is an error naming the keys. The optimizer's state is
-    left to megatron's own checks."""
+    a TE model may find its extra state absent, a model may leave the checkpoint's extra state (and, with
+    `head_unread`, its output layer) unread; any other mismatch is an error naming the keys. The optimizer's
+    state is left to megatron's own checks."""
     from megatron.core import dist_checkpointing  # megatron: see the note at the top
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -165,7 +166,9 @@ def _load_checked(path, inner, sharded: dict, skipped: frozenset[str] = frozense
     # megatron's words: "unexpected" = requested but not in the checkpoint, "missing" = the reverse
     loaded, ckpt_only, absent = dist_checkpointing.load(sharded, str(Path(path) / "weights"),
                                                         strict=StrictHandling.RETURN_ALL)
-    left_over = {k for k in ckpt_only if not k.startswith("optimizer.")} - skipped
+    # what no rank read, counted over all ranks: a stage without the output layer skips it too
+    unread = ("optimizer.", HEAD_PREFIX) if head_unread else ("optimizer.",)
+    left_over = {k for k in ckpt_only if not k.startswith(unread)}
     absent, ignored = checkpoint_keys.check_checkpoint_keys(absent, left_over, te_keys, str(path))
     if absent:
         log.info("%s has no Transformer Engine extra state %s (written without TE): TE starts it from its defaults",
@@ -204,12 +207,11 @@ def _load_into(path, inner, num_outputs: int | None) -> bool:
     meta = read_metadata(path)
     with_head = num_outputs is None or scalar_head_outputs(path) == num_outputs
     everything = inner.sharded_state_dict()  # built once: at 405B it is a ShardedTensor per parameter
-    head_keys = {k for k in everything if k.startswith("output_layer.")}
-    head_ids = frozenset(everything[k].key for k in head_keys)  # the checkpoint's names of the head
+    head_keys = {k for k in everything if k.startswith(HEAD_PREFIX)}
     if "lora" not in meta:
         sharded = {k: v for k, v in everything.items()
                    if not lora.is_adapter_parameter(k) and (with_head or k not in head_keys)}
-        loaded = _load_checked(path, inner, {"model": sharded}, frozenset() if with_head else head_ids)["model"]
+        loaded = _load_checked(path, inner, {"model": sharded}, head_unread=not with_head)["model"]
         missing, unexpected = inner.load_state_dict(loaded, strict=False)
         missing = [k for k in missing if not lora.is_adapter_parameter(k) and (with_head or k not in head_keys)]
         checkpoint_keys.check_module_keys(missing, unexpected, checkpoint_keys.te_extra_state_names(inner), str(path))
@@ -221,8 +223,8 @@ def _load_into(path, inner, num_outputs: int | None) -> bool:
     try:
         entries = {k: v for k, v in inner.sharded_state_dict().items()  # now with their adapters' entries
                    if lora.is_adapter_parameter(k) or (saved_head and k in head_keys)}
-        skipped = frozenset() if saved_head or not meta["lora"].get("trained_head") else head_ids
-        loaded = _load_checked(path, inner, {"model": entries}, skipped)["model"]
+        head_unread = bool(meta["lora"].get("trained_head")) and not saved_head
+        loaded = _load_checked(path, inner, {"model": entries}, head_unread)["model"]
         inner.load_state_dict(loaded, strict=False)
         with torch.no_grad():
             for module, _ in theirs:

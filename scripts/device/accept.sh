@@ -21,5 +21,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 2
 for t in "${tarballs[@]}"; do tar -xJf "$t" -C "$SITE" || exit 2; done  # PyTriton: its installed tree, xz-packed
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there: never wait on the Hub
 [ -d .whl/peer/bench-trl ] && export ALIGNER_TRL_BENCH_DIR="$PWD/.whl/peer/bench-trl"
-timeout -k 15 540 python3 bench/accept.py --out "${OUT:-runs/accept}" --budget 480 "$@"  # + <= 30 s for its zygote
+timeout -k 15 540 python3 bench/accept.py --out "${OUT:-runs/accept}" --budget 480 "$@"  # its zygote's start counted

@@ -9,8 +9,11 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import psutil
 import pytest
@@ -117,6 +120,7 @@ def test_on_the_device_the_kit_forks_from_its_own_zygote_once_a_forked_probe_pas
     operation (here on the CPU), the checks' processes are then told to fork from it, and stopping it ends it and
     gives the caller back its environment."""
     from aligner.launch import zygote
+    from bench.accept import end_tree
     from bench.accept_zygote import KitZygote
 
     for variable in (zygote.ZYGOTE_VARIABLE, "SLURM_JOB_ID"):
@@ -127,6 +131,16 @@ def test_on_the_device_the_kit_forks_from_its_own_zygote_once_a_forked_probe_pas
         assert zygote.zygote_socket() == str(kit.socket)
         forked = zygote.run([sys.executable, "-m", "bench.accept", "--probe"], cwd=REPO, env=dict(os.environ))
         assert forked.stdout.strip() == "probe: cpu 8 forked=True"
+        # a check ended at its limit (end_tree) takes what it forked with it, not the zygote, whose folder starts
+        # with the default work directory's path
+        work = Path(tempfile.gettempdir()) / "aligner-accept"
+        assert str(kit.folder).startswith(str(work))
+        check = zygote.popen([sys.executable, "-m", "tests.zygote_child", "sleep", str(work / "runs")], cwd=REPO,
+                             stdout=subprocess.PIPE, start_new_session=True)
+        assert isinstance(check, zygote.ZygoteProcess) and check.stdout.readline()
+        end_tree(check, work)
+        assert check.returncode == -signal.SIGKILL and kit.process.poll() is None
+        check.stdout.close()
     finally:
         kit.stop()
     assert kit.process.poll() is not None and zygote.ZYGOTE_VARIABLE not in os.environ and not kit.folder.exists()

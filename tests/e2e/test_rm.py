@@ -103,6 +103,18 @@ def test_rm_parallel_layouts_match_tp1(from_trained_rm, layout):
             assert a[key] == pytest.approx(b[key], abs=2e-4), (key, a[key], b[key])
 
 
+@pytest.mark.dist
+def test_a_pp2_reward_model_starts_from_a_language_model(tiny_assets, rl_assets, preference_data, tmp_path):
+    """The language model's output layer is left unread on every stage, the first ones included (which have none:
+    the checkpoint's keys that no rank read are counted over all ranks)."""
+    result = run_cli(*rm_args(tiny_assets, preference_data, tmp_path / "rm", "trainer.max_steps=1",
+                              f"model.pretrained={rl_assets / 'sft' / 'checkpoints' / 'step_000040'}",
+                              "data.packing=false", "launcher.nproc_per_node=2",
+                              "model.pipeline_model_parallel_size=2"))
+    assert_cli_ok(result)
+    assert read_metrics(tmp_path / "rm")[0]["loss"] > 0
+
+
 @pytest.mark.parametrize("layout", [[], ["launcher.nproc_per_node=2", "model.tensor_model_parallel_size=2"],
                                     ["launcher.nproc_per_node=2", "model.pipeline_model_parallel_size=2"],
                                     ["launcher.nproc_per_node=2", "model.context_parallel_size=2"]],

@@ -80,6 +80,24 @@ def test_signals_timeouts_and_a_new_session(through):
     process.stdout.close()
 
 
+def test_a_child_outliving_its_dead_zygote_is_waited_for_then_reported_killed(tmp_path, monkeypatch):
+    """A timeout may end the zygote with (or before) its child (the device kit's `timeout` signals its whole group):
+    the child's status is lost with the zygote, so its Popen reports it killed once it is gone, not an error."""
+    server = _start(tmp_path / "socket", "('json',)")
+    monkeypatch.setenv(zygote.ZYGOTE_VARIABLE, str(tmp_path / "socket"))
+    process = zygote.popen([sys.executable, "-m", "tests.zygote_child", "sleep"], stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    assert json.loads(process.stdout.readline())["argv"] == ["sleep"]
+    server.kill()
+    server.wait()
+    assert process.poll() is None  # the zygote is gone, its child runs on
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(timeout=0.3)
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    process.stdout.close()
+
+
 def test_the_signal_mask_is_the_requesters(through):
     """The launcher blocks SIGUSR1 before it starts ranks (runtime/preemption.py); a rank must start so."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
