@@ -43,6 +43,7 @@ def main(argv: list[str]) -> None:
                      "logprob_diff": 0.0 if own is None else max(
                          abs(a - b) for x, y in zip(routed.response_logprobs(), own.response_logprobs())
                          for a, b in zip(x, y))}
+    out["sleep_wake"] = sleep_and_wake(model, m, engine, every[:2], params)
     export = workdir / "hf"
     export_hf(model, m, VOCAB, export if rank == 0 else None)
     gathered = [None] * dist.get_world_size()
@@ -61,6 +62,43 @@ def main(argv: list[str]) -> None:
         (workdir / "results.json").write_text(json.dumps({"ranks": gathered, "hf_greedy_equal": theirs == greedy,
                                                           "hf_files": sorted(f.name for f in export.iterdir())}))
     distributed.shutdown()
+
+
+class Recording:
+    """The engine under JobTensorRTLLM, its calls recorded (the megatron engine generates on rank 0)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, *args):
+        self.calls.append("generate")
+        return self.engine.generate(*args)
+
+    def refit(self, stream):
+        self.calls.append("refit")
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def wake(self):
+        self.calls.append("wake")
+
+
+def sleep_and_wake(model, m, engine, prompts, params) -> list[str]:
+    """The TensorRT-LLM backend's engine as the RL loops drive it: asleep after a step's generation (once,
+    however often asked), woken by the next refit or generation; only rank 0's engine is called."""
+    from aligner.generation.backends import JobTensorRTLLM
+
+    job = JobTensorRTLLM.__new__(JobTensorRTLLM)  # its __init__ requires TensorRT-LLM
+    job.model, job.model_cfg, job.vocab_size, job.pad_id = model, m, VOCAB, engine.pad_id
+    job.engine, job.asleep = Recording(engine), False
+    job.sleep()
+    job.sleep()
+    job.refit()
+    job.sleep()
+    job.generate(prompts, params, [1, 2])
+    job.generate(prompts, params, [1, 2])
+    return job.engine.calls
 
 
 if __name__ == "__main__":

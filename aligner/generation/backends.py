@@ -61,6 +61,7 @@ class JobTensorRTLLM:
         self.eos_id, self.pad_id = eos_id, pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
         self.batch_size, self.tokenizer_dir, self.checkpoint = int(batch_size), tokenizer_dir, checkpoint
         self.engine = None  # started by the first generate
+        self.asleep = False  # its memory released (`sleep`) until the next generate or refit
         self._export = None  # rank 0's temporary Hugging Face directory, kept while the engine lives
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -68,6 +69,7 @@ class JobTensorRTLLM:
         """Collective over every rank (each with its replica's prompts); returns this replica's rollout."""
         if self.engine is None:
             self._start()
+        self.wake()
         prompts = [list(map(int, p)) for p in prompts]
         seeds = list(seeds) if seeds is not None else [rng.derive_seed(params.seed, i) for i in range(len(prompts))]
         if len(seeds) != len(prompts):
@@ -79,6 +81,7 @@ class JobTensorRTLLM:
         there is nothing to do: the engine starts from the live weights."""
         if self.engine is None:
             return
+        self.wake()  # its weights resident again before they are overwritten
         from aligner.models.weight_stream import iter_hf_weights  # imports megatron (see above)
 
         self.engine.refit(weight_stream if weight_stream is not None else
@@ -90,12 +93,18 @@ class JobTensorRTLLM:
         raise NotImplementedError(TRTLLM_NO_REFIT_CHECK)
 
     def sleep(self) -> None:
-        if self.engine is not None and dist.get_rank() == 0:
-            self.engine.sleep()
+        """Collective: the engine's KV cache and weights released while the trainer computes (the RL loops call
+        it once their step's generation is done); the next generate or refit wakes it."""
+        if self.engine is not None and not self.asleep:
+            if dist.get_rank() == 0:
+                self.engine.sleep()
+            self.asleep = True
 
     def wake(self) -> None:
-        if self.engine is not None and dist.get_rank() == 0:
-            self.engine.wake()
+        if self.asleep:
+            if dist.get_rank() == 0:
+                self.engine.wake()
+            self.asleep = False
 
     def _start(self) -> None:
         """Export the live weights as a Hugging Face directory (collective; rank 0 writes) and start the engine."""

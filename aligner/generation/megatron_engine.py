@@ -107,8 +107,7 @@ class MegatronEngine:
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer= to MegatronEngine")
-        if self._home is not None:
-            raise RuntimeError("the engine is asleep; call wake() first")
+        self.wake()
         if not prompts:
             empty = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
             return Rollout([], empty, empty[:, 0], empty.float(), empty[:, 0].bool(), [], self.pad_id)
@@ -123,6 +122,7 @@ class MegatronEngine:
 
     def refit(self, weight_stream: Optional[WeightStream] = None) -> None:
         """Shared model: nothing to do (generate reads the live parameters). With a stream: copy it in."""
+        self.wake()
         if weight_stream is not None:
             load_weight_stream(self.gpt, weight_stream, self.model_cfg, self.vocab_size)
 

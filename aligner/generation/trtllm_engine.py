@@ -8,6 +8,15 @@ the RL worker extension `tensorrt_llm.llmapi.rlhf_utils.WorkerExtension`, whose 
 The TensorRT *engine* refit path is not used: it was removed upstream (PyTorch is TRT-LLM's only
 backend on main).
 
+Where TensorRT-LLM departs from the conventions of `aligner.generation.types`, the adapter restores them or says so:
+  * log-probs: TensorRT-LLM returns those of the raw logits unless `SamplingParams.logprobs_mode` asks for the
+    processed ones (the temperature / top-k / top-p distribution it sampled from); where that setting does not
+    exist, sampling other than plain temperature 1 is refused, as its log-probs would bias the ratios silently;
+  * stop strings: TensorRT-LLM matches a stop string's token ids, not its text; each response is cut here at the
+    first token whose decoded text holds one, as the Megatron engine cuts it;
+  * seeds: its default sampler draws from one generator, not from each request's seed, so a sample depends on
+    its batch (not corrected: the Megatron engine is the reproducible one).
+
 What was exercised where: the pure functions here (`sampling_kwargs`, `rollout_from_outputs`) and
 `send_weight_stream`'s collective protocol (with a stand-in for the IPC handle) run in the CPU test
 suite. Starting the engine, generating and `update_weights` were NOT exercised in this project's
@@ -17,12 +26,15 @@ TensorRT-LLM, and compare its rollouts with the Megatron engine there (`mismatch
 """
 from __future__ import annotations
 
+import enum
+import functools
 from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
+from aligner.errors import ConfigError
 from aligner.generation.types import (STOP_EOS, STOP_LENGTH, STOP_STRING, STOP_TOKEN, Rollout, SamplingParams,
                                       WeightStream)
 from aligner.runtime import collectives
@@ -33,19 +45,57 @@ from aligner.runtime.optional import require
 MEMORY_TAGS = ("model", "kv_cache")
 
 
-def sampling_kwargs(params: SamplingParams, seed: int, eos_id: Optional[int]) -> dict:
+def sampling_kwargs(params: SamplingParams, seed: int, eos_id: Optional[int], processed=None) -> dict:
     """Our SamplingParams as keyword arguments of `tensorrt_llm.SamplingParams` (one-to-one).
 
     Greedy maps to top_k=1 at temperature 1, so the returned log-probs are those of the model's own
-    distribution, the convention of `aligner.generation.types`."""
+    distribution, the convention of `aligner.generation.types`. Sampling that reshapes the distribution needs
+    `processed`, the `logprobs_mode` value that returns the sampled distribution's log-probs (module doc)."""
     kwargs = dict(max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens, seed=int(seed),
                   end_id=eos_id, stop_token_ids=list(params.stop_token_ids) or None,
                   stop=list(params.stop_strings) or None, include_stop_str_in_output=True, logprobs=1)
     if params.is_greedy:
-        kwargs.update(temperature=1.0, top_k=1, top_p=1.0)
-    else:
-        kwargs.update(temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
+        return {**kwargs, "temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    kwargs.update(temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
+    if params.temperature != 1.0 or params.top_k or params.top_p < 1.0:
+        if processed is None:
+            raise ConfigError("this TensorRT-LLM returns the raw logits' log-probs only (its SamplingParams has no "
+                              "logprobs_mode), not those of the temperature/top-k/top-p distribution it samples from",
+                              "sampling.temperature / top_k / top_p",
+                              "sample at temperature 1 without top-k/top-p, or use generation.backend=megatron")
+        kwargs["logprobs_mode"] = processed
     return kwargs
+
+
+def processed_logprobs_mode(sampling_params_class):
+    """The `logprobs_mode` value of `sampling_params_class` (TensorRT-LLM's SamplingParams) that returns the
+    log-probs of the processed (sampled) distribution, or None where the setting does not exist."""
+    fields = getattr(sampling_params_class, "__dataclass_fields__", None) or getattr(
+        sampling_params_class, "model_fields", {})
+    if "logprobs_mode" not in fields:
+        return None
+    default = getattr(fields["logprobs_mode"], "default", None)
+    if isinstance(default, enum.Enum):
+        for member in type(default):
+            if str(member.value).startswith("processed"):
+                return member
+        return None
+    return "processed"
+
+
+def stop_string_cut(decode, ids: Sequence[int], strings: Sequence[str]) -> Optional[int]:
+    """The length of the shortest prefix of `ids` whose text (`decode`) holds one of `strings`, or None: where
+    the Megatron engine's StopStrings would have stopped. Bisected: a prefix that holds one, its extensions do."""
+    if not strings or not any(s in decode(list(ids)) for s in strings):
+        return None
+    low, high = 1, len(ids)
+    while low < high:
+        middle = (low + high) // 2
+        if any(s in decode(list(ids[:middle])) for s in strings):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def _chosen_logprob(entry, token: int) -> float:
@@ -57,16 +107,23 @@ def _chosen_logprob(entry, token: int) -> float:
 
 
 def rollout_from_outputs(outputs: Sequence, prompts: list[list[int]], params: SamplingParams,
-                         eos_id: Optional[int], pad_id: int) -> Rollout:
-    """`LLM.generate` results (one RequestOutput per prompt, first completion used) -> Rollout."""
+                         eos_id: Optional[int], pad_id: int, decode=None) -> Rollout:
+    """`LLM.generate` results (one RequestOutput per prompt, first completion used) -> Rollout. `decode`
+    (token ids -> text, special tokens skipped) cuts each response at its first stop string (module doc)."""
     responses, logprobs, reasons = [], [], []
     for out in outputs:
         completion = out.outputs[0]
         ids = list(completion.token_ids)
+        lps = [_chosen_logprob(e, t) for e, t in zip(completion.logprobs or [], ids)] or [0.0] * len(ids)
+        cut = stop_string_cut(decode, ids, params.stop_strings) if decode is not None else None
+        if cut is not None:
+            ids, lps = ids[:cut], lps[:cut]
         responses.append(ids)
-        logprobs.append([_chosen_logprob(e, t) for e, t in zip(completion.logprobs or [], ids)] or [0.0] * len(ids))
+        logprobs.append(lps)
         last = ids[-1] if ids else None
-        if completion.finish_reason == "length":
+        if cut is not None:
+            reasons.append(STOP_STRING)
+        elif completion.finish_reason == "length":
             reasons.append(STOP_LENGTH)
         elif last is not None and last == eos_id:
             reasons.append(STOP_EOS)
@@ -130,8 +187,8 @@ class TensorRTLLMEngine:
         trt = require("tensorrt_llm")
         from tensorrt_llm.llmapi import KvCacheConfig  # optional dependency
 
-        self._trt = trt
-        self.eos_id, self.pad_id = eos_id, pad_id
+        self._trt, self._processed = trt, processed_logprobs_mode(trt.SamplingParams)
+        self.eos_id, self.pad_id, self.hf_dir, self._tokenizer = eos_id, pad_id, str(hf_dir), None
         self.llm = None  # the other ranks only take part in refit
         if not dist.is_initialized() or dist.get_rank() == 0:
             self.llm = trt.LLM(model=str(hf_dir), backend="pytorch", orchestrator_type="ray",
@@ -143,9 +200,17 @@ class TensorRTLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: Optional[Sequence[int]] = None) -> Rollout:
         seeds = list(seeds) if seeds is not None else [params.seed * 1_000_003 + i for i in range(len(prompts))]
-        sampling = [self._trt.SamplingParams(**sampling_kwargs(params, s, self.eos_id)) for s in seeds]
+        sampling = [self._trt.SamplingParams(**sampling_kwargs(params, s, self.eos_id, self._processed))
+                    for s in seeds]
         outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False)
-        return rollout_from_outputs(outputs, prompts, params, self.eos_id, self.pad_id)
+        decode = None
+        if params.stop_strings:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer  # the export's tokenizer, once
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+            decode = functools.partial(self._tokenizer.decode, skip_special_tokens=True)
+        return rollout_from_outputs(outputs, prompts, params, self.eos_id, self.pad_id, decode)
 
     def refit(self, weight_stream: Optional[WeightStream] = None) -> None:
         """Collective over every rank (`send_weight_stream`)."""

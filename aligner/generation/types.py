@@ -154,9 +154,10 @@ class GenerationBackend(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Release memory the engine holds between generate calls (KV cache, copies)."""
+        """Release memory the engine holds between generate calls (KV cache, copies) while the trainer
+        computes; the next generate or refit wakes it."""
         ...
 
     def wake(self) -> None:
-        """Undo `sleep` before the next generate."""
+        """Undo `sleep` (generate and refit do it themselves)."""
         ...

@@ -32,6 +32,12 @@ def test_the_export_loads_into_transformers_and_decodes_the_same_tokens(results)
     assert {"config.json", "model.safetensors"} <= set(results["hf_files"])
 
 
+def test_the_tensorrt_llm_backend_sleeps_once_asked_and_wakes_for_a_refit_or_a_generation(results):
+    rank0, rank1 = (r["sleep_wake"] for r in results["ranks"])
+    assert rank0 == ["sleep", "wake", "refit", "sleep", "wake", "generate", "generate"]
+    assert rank1 == ["refit"]  # a refit is collective; the other calls are rank 0's engine's
+
+
 def test_without_tensorrt_llm_the_backend_refuses_in_one_line():
     import importlib.util
 

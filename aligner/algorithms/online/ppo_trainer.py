@@ -64,6 +64,7 @@ class PPOTrainer(RLTrainer):
     def train_step(self) -> dict:
         timings, start = Timings(), time.perf_counter()
         samples, pending = self.rollouts_with_requests(timings)
+        self.engine_sleeps()
         micro, length, mine = self.micro_batches(samples)
         self.logprob_passes(micro, length, timings)
         with timings("critic_wait"):

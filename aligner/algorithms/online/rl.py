@@ -69,6 +69,7 @@ class RLTrainer(RolloutTrainer):
     def train_step(self) -> dict:
         timings, start = Timings(), time.perf_counter()
         samples, pending, dropped, seen = self.rollouts(timings)
+        self.engine_sleeps()
         micro, length, mine = self.micro_batches(samples)
         self.logprob_passes(micro, length, timings)
         if not self.a.dynamic_sampling.enabled:  # the scores were computed while the log-probs were

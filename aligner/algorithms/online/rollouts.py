@@ -114,6 +114,12 @@ class RolloutTrainer(Trainer):
         with timings("generate"):
             return self.generate(self.next_prompts())
 
+    def engine_sleeps(self) -> None:
+        """The step's generation is done: a colocated engine hands the memory it holds (TensorRT-LLM's KV cache
+        and weights) to the trainer's passes until the refit or the next generation wakes it."""
+        if self.separate is None:
+            self.engine.sleep()
+
     def next_prompts(self) -> list:
         """The step's prompts from the stateful sampler, and the id of their first sample."""
         indices = self.drawn_indices = self.sampler.next_global_batch()

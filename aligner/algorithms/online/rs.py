@@ -84,6 +84,7 @@ class RSTrainer(RolloutTrainer):
         timings, start = Timings(), time.perf_counter()
         with timings("generate"):
             samples = self.generate(self.next_prompts())
+        self.engine_sleeps()
         pending = self.submit_scores(samples)
         with timings("score_wait"):
             self.await_scores(samples, pending, timings)

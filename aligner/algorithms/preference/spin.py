@@ -125,6 +125,7 @@ class SPINTrainer(SequenceTrainer):
         mine = list(range(dp_rank * share, min(n, (dp_rank + 1) * share)))
         rollout = self.engine.generate([self.prompts[i] for i in mine], params,
                                        seeds=[rng.derive_seed(s.seed, k * n + i) for i in mine])
+        self.engine.sleep()  # until the next iteration's refit or generation wakes it
         parts = collectives.all_gather_object(rollout.responses(), group=ps.get_data_parallel_group())
         generations = [g for part in parts for g in part]
         self.train_data = spin_pairs(self.prompts, self.truths, generations, self.cfg.data.max_length)
