@@ -241,9 +241,12 @@ def load_weights(path, model) -> None:
     `model`'s own adapters, if any, are not touched."""
     inner = unwrap(model)
     outputs = _head_outputs(inner)
-    if not _load_into(path, inner, outputs) and outputs is not None:
+    missing = outputs if not _load_into(path, inner, outputs) and outputs is not None else None
+    if dist.is_initialized() and dist.get_world_size() > 1:  # only the last stages know: every rank refuses
+        missing = next((n for n in collectives.all_gather_object(missing) if n is not None), None)
+    if missing is not None:
         raise checkpoint_keys.CheckpointMismatch(
-            f"the checkpoint has no scalar head of {outputs} output(s) for this model", str(path),
+            f"the checkpoint has no scalar head of {missing} output(s) for this model", str(path),
             "load a reward or value checkpoint with that head")
 
 
@@ -310,12 +313,18 @@ def lora_metadata(lora_cfg, base, trained_head: bool) -> dict:
 
 
 def lora_base(path, meta: dict | None = None) -> str:
-    """The base checkpoint of LoRA checkpoint `path`, refused when it changed since the adapters were saved."""
+    """The base checkpoint of LoRA checkpoint `path`, refused when it changed since the adapters were saved.
+    Collective where a process group exists: rank 0 reads the fingerprint's samples (at 405B, thousands of files
+    that every rank would otherwise read from the shared filesystem) and every rank decides on its answer."""
     base = (meta or read_metadata(path))["lora"]["base"]
-    if not is_complete(base["path"]):
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    lead = not distributed or dist.get_rank() == 0
+    now = fingerprint(base["path"]) if lead and is_complete(base["path"]) else None
+    if distributed:
+        now = collectives.broadcast_object(now, src=0)
+    if now is None:
         raise ChangedBase(f"the LoRA checkpoint's base {base['path']} is not a complete checkpoint any more",
                           str(path), "restore the base checkpoint at that path")
-    now = fingerprint(base["path"])
     if now != base["fingerprint"]:
         raise ChangedBase(f"the LoRA checkpoint's base {base['path']} changed since the adapters were saved: "
                           f"fingerprint {now}, expected {base['fingerprint']}", str(path),

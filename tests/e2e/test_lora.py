@@ -90,3 +90,7 @@ def test_lora_checkpoint_as_model_and_a_changed_base_is_refused(tiny_assets, rl_
         assert result.returncode != 0
         line = next(line for line in result.stderr.splitlines() if "changed since the adapters were saved" in line)
         assert f"expected {expected}" in line and str(base.resolve()) in line
+    # on two ranks rank 0 reads the fingerprint and both refuse in one line (neither is left in a collective)
+    two = [arg.replace("micro_batch_size=4", "micro_batch_size=2") for arg in sft_args(tmp_path / "two", adapted, 1)]
+    result = run_cli(*two, "launcher.nproc_per_node=2", timeout=120)
+    assert result.returncode != 0 and f"expected {expected}" in result.stderr, result.stderr[-3000:]

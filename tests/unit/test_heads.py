@@ -1,4 +1,5 @@
 """Scalar heads: shapes, the last-token reward convention, gradients, and checkpoint round trip."""
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -43,3 +44,6 @@ def test_reward_head_replaces_lm_head_and_round_trips(tmp_path):
     checkpoint.load_weights(tmp_path / "rm", other)
     assert torch.equal(other(tokens, positions, None), values)
     assert checkpoint.read_metadata(tmp_path / "rm")["head"] == "reward"
+    two = attach_scalar_head(build_gpt(cfg, 300), num_outputs=2)  # a head of another size is not loaded into
+    with pytest.raises(checkpoint.checkpoint_keys.CheckpointMismatch, match="no scalar head of 2 output"):
+        checkpoint.load_weights(tmp_path / "rm", two)
