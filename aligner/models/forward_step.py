@@ -176,11 +176,15 @@ def index_sums(values: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
     says which sequence a position belongs to (any value where `mask` is 0). Several sequences may
     share a row (packing). Returns (sums [num_sequences, *extra] float32, counts [num_sequences]
     float32); differentiable in `values`."""
+    # every position, the masked-out ones as 0 into sequence 0 (x + 0.0 == x): boolean indexing would make
+    # the host wait for the device to count the kept positions, twice per call
     keep = mask > 0
-    rows = index[keep]
+    rows = torch.where(keep, index, 0).flatten()
+    kept = torch.where(keep.view(*keep.shape, *(1,) * (values.dim() - mask.dim())), values.float(), 0.0)
     shape = (num_sequences, *values.shape[mask.dim():])
-    sums = values.new_zeros(shape, dtype=torch.float32).index_add(0, rows, values[keep].float())
-    counts = mask.new_zeros(num_sequences, dtype=torch.float32).index_add(0, rows, mask[keep].float())
+    sums = values.new_zeros(shape, dtype=torch.float32).index_add(0, rows, kept.flatten(0, mask.dim() - 1))
+    counts = mask.new_zeros(num_sequences, dtype=torch.float32).index_add(
+        0, rows, torch.where(keep, mask.float(), 0.0).flatten())
     return sums, counts
 
 

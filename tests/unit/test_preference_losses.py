@@ -138,4 +138,10 @@ def test_sequence_sums_and_accuracy():
     assert torch.equal(values.grad, mask)
     heads = torch.stack([values.detach(), -values.detach()], -1)  # [rows, seq, 2]: per-position vectors
     assert index_sums(heads, mask, index, 3)[0].tolist() == [[5.0, -5.0], [11.0, -11.0], [4.0, -4.0]]
+    poisoned = values.detach().masked_fill(mask == 0, float("nan"))  # what masked positions hold is never read
+    assert index_sums(poisoned, mask, index, 3)[0].tolist() == [5.0, 11.0, 4.0]
+    # no shape that depends on the mask's values (on a GPU the host would wait for the device): the meta
+    # device, which has no values, computes it
+    meta = index_sums(values.to("meta"), mask.to("meta"), index.to("meta"), 3)
+    assert [t.shape for t in meta] == [(3,), (3,)]
     assert maths.preference_accuracy(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])).tolist() == [1, 0, 0.5]
