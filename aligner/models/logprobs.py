@@ -65,9 +65,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     def backward(ctx, grad):
         probs, local, mine = ctx.saved_tensors
         # d logp(t) / d z_j = 1[j == t] - p_j
-        grad_logits = -probs
-        rows = mine.nonzero(as_tuple=True)
-        grad_logits[rows + (local[rows],)] += 1.0
+        grad_logits = -probs  # + 1 at this rank's targets (+ 0 elsewhere: no host-side count of them)
+        at = local.clamp(0, probs.shape[-1] - 1).unsqueeze(-1)
+        grad_logits.scatter_add_(-1, at, mine.unsqueeze(-1).to(grad_logits.dtype))
         return (grad_logits * grad.unsqueeze(-1)).to(ctx.dtype), None, None
 
 

@@ -62,3 +62,24 @@ def test_logprobs_and_entropy_together_equal_each_alone(entropy_grad):
     (grad,) = torch.autograd.grad(logprobs.sum(), filtered)
     (expected,) = torch.autograd.grad(vocab_parallel_logprobs(filtered, target, 37).sum(), filtered)
     assert torch.allclose(grad, expected, atol=1e-6)
+
+
+def test_split_gradient_where_some_targets_are_another_ranks(monkeypatch):
+    """As TP rank 1 of 2 (columns 40-79 here; no other rank, so its softmax is over these): d logp / d z_j is
+    1[j is the target] - p_j where the target is this rank's, -p_j where it is the other rank's."""
+    import aligner.models.logprobs as lp
+
+    monkeypatch.setattr(lp, "_tp_group", lambda: (None, 1))
+    logits, _ = _case(padded=40)
+    target = torch.randint(0, 80, (3, 5), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(3, 5)
+    (grad,) = torch.autograd.grad((_VocabParallelLogProbs.apply(logits, target, 80) * weights).sum(), logits)
+    mine = target >= 40
+    assert 0 < int(mine.sum()) < mine.numel()
+    onehot = torch.nn.functional.one_hot((target - 40).clamp(min=0), 40) * mine.unsqueeze(-1)
+    expected = (onehot - torch.softmax(logits.detach(), -1)) * weights.unsqueeze(-1)
+    assert torch.allclose(grad, expected, atol=1e-6)
+    # and no shape that depends on which targets are this rank's (a host sync on a GPU): the meta device runs it
+    meta = logits.detach().to("meta").requires_grad_()
+    (grad,) = torch.autograd.grad(_VocabParallelLogProbs.apply(meta, target.to("meta"), 80).sum(), meta)
+    assert grad.shape == logits.shape
