@@ -37,6 +37,7 @@ from aligner.generation.weights import load_weight_stream
 from aligner.models.policy import build_policy
 from aligner.runtime import distributed
 from aligner.runtime.collectives import Bridge
+from aligner.runtime.seeding import seed_everything
 
 
 def worker_model_config(model_cfg, tensor_parallel: int):
@@ -99,6 +100,9 @@ def main(argv: list[str], generator=single_turn) -> None:
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     distributed.init_model_parallel(g.tensor_model_parallel_size, 1)
+    # on a GPU megatron initialises the weights under its RNG tracker, which must be seeded (the trainer's
+    # weights replace them at the first refit); CPU initialisation never asks for it
+    seed_everything(cfg.trainer.seed)
     model_cfg = worker_model_config(cfg.model, g.tensor_model_parallel_size)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     vocab_size = model_vocab_size(cfg.model, tokenizer, cfg.tokenizer.path)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 
+from omegaconf import OmegaConf
+
 from aligner.config.load import compose_config
 from aligner.config.registry import ALGORITHMS
 from aligner.errors import UsageError
@@ -117,8 +119,16 @@ def preflight(algorithm: str, cfg, world_size: int, nodes: int) -> None:
     Raises a UsageError with the planner's sentences; layout rules are load_config's."""
     import torch  # why: deferred (torch): only `aligner train` on a GPU host calls this
 
+    from aligner.models.gpt import use_transformer_engine  # why: deferred (megatron), as torch above
+
+    transformer_engine = use_transformer_engine(cfg.model.transformer_impl)  # what auto builds on this host
+    errors = spec_errors(cfg, transformer_engine)
+    if errors:
+        raise UsageError(errors[0], "model.transformer_impl", "or model.transformer_impl=local")
     if algorithm not in PLANNABLE:
         return
+    if not transformer_engine and cfg.model.transformer_impl != "local":  # the planner counts what runs here
+        cfg = OmegaConf.merge(cfg, {"model": {"transformer_impl": "local"}})
     props = torch.cuda.get_device_properties(0)
     cluster = Cluster(detect(props.name, props.total_memory / 1024 ** 3), max(world_size // nodes, 1), nodes,
                       1 if "critic" in cfg else 0)
@@ -128,6 +138,22 @@ def preflight(algorithm: str, cfg, world_size: int, nodes: int) -> None:
     errors = [e for e in memory_errors(cfg, result, cluster.hw.name) if e.startswith("the trainer's")]
     if errors:
         raise UsageError(errors[0], f"aligner plan {algorithm}", "see `aligner plan --help`")
+
+
+def spec_errors(cfg, transformer_engine: bool) -> list[str]:
+    """What a GPU host's layer spec (`transformer_engine`: model.transformer_impl resolved there) cannot run,
+    which the config alone (auto) could not tell."""
+    if not transformer_engine:
+        return []
+    errors = []
+    if cfg.data.get("packing"):
+        errors.append("data.packing=true needs the local layer spec, and this host builds Transformer Engine's "
+                      "(its attention ignores the block-causal mask): set data.packing=null (padded batches here)")
+    if cfg.model.context_parallel_size > 1 and str(cfg.model.params_dtype) == "float32":
+        errors.append(f"model.context_parallel_size={cfg.model.context_parallel_size} on Transformer Engine's spec "
+                      "needs bfloat16 or float16 weights (its only attention for float32 takes no context-parallel "
+                      "group): set model.params_dtype=bfloat16")
+    return errors
 
 
 def memory_errors(cfg, result: dict, gpu: str) -> list[str]:

@@ -112,3 +112,31 @@ def test_train_checks_a_gpu_hosts_memory_before_any_rank_starts(monkeypatch):
                             "optim.distributed_optimizer=false"])
     with pytest.raises(UsageError, match=r"the trainer's GPUs need [\d.]+ GiB each .* but a h100-80gb has [\d.]+ GiB"):
         preflight("dpo", alone, 1, 1)
+
+
+def test_train_checks_what_the_hosts_layer_spec_can_run(monkeypatch):
+    """model.transformer_impl=auto resolves on the GPU host: with Transformer Engine there, explicit packing and
+    float32 context parallelism are refused before launch (they would fail in the ranks); without it, the memory
+    check counts the local spec's attention scores (8B SFT at 8192 tokens: fits on TE's fused attention, not on
+    the local attention, which keeps them)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from aligner.errors import UsageError
+    from aligner.models import gpt
+    from aligner.plan.cli import preflight
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * GIB))
+    long = ["model=llama3_8b", "model.seq_length=8192", "data.max_length=8192"]
+    monkeypatch.setattr(gpt, "use_transformer_engine", lambda impl: impl != "local")  # a host with TE
+    preflight("sft", compose("sft", long), 8, 1)
+    with pytest.raises(UsageError, match=r"data.packing=true needs the local layer spec.*transformer_impl"):
+        preflight("sft", compose("sft", [*long, "data.packing=true"]), 8, 1)
+    with pytest.raises(UsageError, match=r"context_parallel_size=2 on Transformer Engine's spec needs bfloat16"):
+        preflight("sft", compose("sft", [*long, "model.context_parallel_size=2", "model.params_dtype=float32"]),
+                  16, 2)
+    monkeypatch.setattr(gpt, "use_transformer_engine", lambda impl: False)  # a host without TE: the local spec
+    with pytest.raises(UsageError, match=r"the trainer's GPUs need [\d.]+ GiB each"):
+        preflight("sft", compose("sft", long), 8, 1)
