@@ -43,3 +43,22 @@ def conventions(argv: list[str]) -> None:
     out["calls"] = [[op, list(ranks), shape and [list(shape[0]), shape[1]]] for op, ranks, shape in calls]
     (Path(argv[0]) / f"{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+def lead_works_alone(argv: list[str]) -> None:
+    """Rank 0 works alone for twice the process group's timeout, then broadcasts; argv[1] "wait": the other rank
+    first waits for it with wait_for_rank (else it waits in the broadcast, which the timeout ends)."""
+    import time
+
+    from aligner.runtime import collectives
+    from aligner.runtime.distributed import init_process_group
+
+    init_process_group(timeout_s=2)
+    rank = dist.get_rank()
+    if rank == 0:
+        time.sleep(4)
+    if argv[1] == "wait":
+        collectives.wait_for_rank(0)
+    got = collectives.broadcast_object({"from": rank}, src=0)
+    (Path(argv[0]) / f"{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()

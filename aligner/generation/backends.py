@@ -118,6 +118,7 @@ class JobTensorRTLLM:
         self.engine = TensorRTLLMEngine(str(path or ""), tensor_parallel_size=self.model_cfg.tensor_model_parallel_size,
                                         eos_id=self.eos_id, pad_id=self.pad_id, max_batch_size=self.batch_size,
                                         max_seq_len=int(self.model_cfg.seq_length))
+        collectives.wait_for_rank(0)  # rank 0 loads the model into TensorRT-LLM (minutes at 70B and more)
 
 
 def generate_on_rank0(engine, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
@@ -140,6 +141,7 @@ def generate_on_rank0(engine, prompts: list[list[int]], params: SamplingParams, 
             parts[r] = _rows(rollout, start, start + len(asked[r][0]))
             start += len(asked[r][0])
         answers = [parts[r] for r, _, _ in requests]
+    collectives.wait_for_rank(0)  # however long rank 0 generates for the job
     return collectives.scatter_object(answers, src=0)
 
 

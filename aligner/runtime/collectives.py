@@ -124,6 +124,28 @@ def barrier(group=None) -> None:
     dist.barrier(group=group)
 
 
+LONG_WAIT_S = 6 * 3600  # a lead rank that fails ends the job through its launcher; this bounds one that hangs
+_waits = 0  # wait_for_rank calls of this process: every rank makes them in the same order (the store key's number)
+
+
+def wait_for_rank(src: int, wait_s: float = LONG_WAIT_S) -> None:
+    """Collective over the world: the other ranks wait in the rendezvous store, not in a collective, until global
+    rank `src` calls it too. For a rank that works alone (rank 0 generating for the job, or awaiting rollout
+    workers) for longer than the process group's timeout, which would end a collective waiting for it (NCCL's
+    watchdog aborts the job); the collective that follows then starts with every rank ready."""
+    global _waits
+    _waits += 1
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    _note("wait_for_rank", None)
+    store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the world's rendezvous store
+    key = f"aligner/wait_for_rank/{_waits}"
+    if dist.get_rank() == src:
+        store.set(key, b"1")
+    else:
+        store.wait([key], datetime.timedelta(seconds=wait_s))
+
+
 def broadcast_object(obj: Any, src: int, group=None) -> Any:
     """`obj` of global rank `src` on every rank of `group` (other ranks' `obj` is ignored)."""
     _note("broadcast_object", group)

@@ -5,11 +5,16 @@ import random
 import socket
 
 
+# not the `random` module's generator, which a run seeds (seeding.seed_everything): two runs of one seed on a host
+# would draw the same ports (two rollout-worker bridges collided on 20572 so)
+_DRAWS = random.SystemRandom()
+
+
 def free_port(low: int = 20000, high: int = 32000) -> int:
     """A free TCP port below Linux's ephemeral range (32768+), so that no other process's
     `bind(0)` or outgoing connection can take it between now and our rank 0 binding it."""
     for _ in range(200):
-        port = random.randrange(low, high)
+        port = _DRAWS.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

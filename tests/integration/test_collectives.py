@@ -76,3 +76,13 @@ def test_conventions_at_world_size_2(tmp_path):
         ["broadcast_object", both, None], ["all_gather_object", both, None], ["scatter_object", both, None],
         ["barrier", both, None]]
     assert r1["calls"][5] == ["recv", both, [[2, 2], "torch.int64"]]
+
+
+def test_a_rank_waits_for_a_lead_working_alone_longer_than_the_groups_timeout(tmp_path):
+    """Rank 0 generating for the job or awaiting rollout workers: the others wait in the store
+    (collectives.wait_for_rank), as a collective waiting that long is ended by the group's timeout (gloo raises;
+    NCCL's watchdog aborts the job), then take the broadcast."""
+    from aligner.launch.local import launch
+
+    launch("tests.collectives_workers:lead_works_alone", [str(tmp_path), "wait"], 2, log_dir=tmp_path / "logs")
+    assert [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)] == [{"from": 0}] * 2

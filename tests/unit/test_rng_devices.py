@@ -113,3 +113,14 @@ def test_format_1_checkpoints_still_load():
     seed_everything(11)
     set_rng_state(flat_cuda)
     assert cpu_draws() == expected[0] and tracker_draw() == seeded_draw
+
+
+def test_free_ports_do_not_follow_the_runs_seed():
+    """A run seeds python's `random` (seed_everything); ports drawn from it would be the same in two runs of one
+    seed on a host (two rollout-worker bridges collided so): free_port neither reads nor moves that generator."""
+    from aligner.runtime.ports import free_port
+
+    random.seed(0)
+    state = random.getstate()
+    assert 20000 <= free_port() < 32000
+    assert random.getstate() == state

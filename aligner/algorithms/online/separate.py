@@ -78,6 +78,7 @@ class SeparateRollouts:
             raise RuntimeError(f"the rollout schedule is out of step: step {step} found step {ordered}'s order")
         with timings("generation_wait"):
             answer = self.workers.results(step) if self.workers is not None else None
+            collectives.wait_for_rank(0)  # the other ranks wait as long as the workers take
         answer = collectives.broadcast_object(answer, src=0)
         n, prompts = t.a.num_generations, [t.train_data[i] for i in indices]
         self.worker_seconds = answer["busy_s"]
