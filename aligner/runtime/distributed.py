@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from aligner.errors import UsageError
 from aligner.launcher_env import in_srun_step
 from aligner.observe.logs import configure_logging
 from aligner.runtime import collectives, cpu_shims, preemption
@@ -45,6 +46,17 @@ def process_info_from_env(env=os.environ) -> ProcessInfo:
     return ProcessInfo(rank, world, local, addr, port)
 
 
+def cuda_device(local_rank: int, env, count: int) -> int:
+    """This rank's CUDA device: its local rank's, modulo the devices this process sees (under srun with
+    --gpus-per-task=1 each task sees one). More local ranks than devices (torchrun's LOCAL_WORLD_SIZE, or our
+    launcher's) would put two ranks on one GPU, which NCCL refuses only at the first collective: refused here."""
+    local_world = int(env.get("LOCAL_WORLD_SIZE", 0))
+    if local_world > count:
+        raise UsageError(f"{local_world} ranks on this node but {count} GPU(s) visible to them",
+                         "launcher.nproc_per_node", f"start at most {count} ranks a node (one a GPU)")
+    return local_rank % count
+
+
 def init_process_group(timeout_s: int = 600) -> ProcessInfo:
     """gloo on CPU, NCCL on GPU. Idempotent. On CPU the process also keeps its freed memory (cpu_memory): every
     rank, trainer, server or generator alike, frees and re-allocates the same activation-sized blocks each step."""
@@ -55,7 +67,7 @@ def init_process_group(timeout_s: int = 600) -> ProcessInfo:
     if dist.is_initialized():
         return info
     if torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(cuda_device(info.local_rank, os.environ, torch.cuda.device_count()))
         backend = "nccl"
     else:
         backend = "gloo"

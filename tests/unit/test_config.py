@@ -189,3 +189,15 @@ def test_only_an_srun_step_or_torchrun_makes_a_process_one_rank_of_several():
     info = process_info_from_env(srun_task)
     assert (info.rank, info.world_size, info.local_rank, info.master_addr) == (9, 16, 1, "node1")
     assert outer_world_size({"WORLD_SIZE": "4", "RANK": "2"}) == 4 and outer_world_size({}) is None
+
+
+def test_a_rank_gets_its_gpu_and_more_ranks_than_gpus_are_refused():
+    """A rank's CUDA device is its local rank's among those it sees (one a task under srun's --gpus-per-task=1);
+    a launch of more ranks a node than visible GPUs is refused in one line before NCCL would refuse it."""
+    from aligner.errors import UsageError
+    from aligner.runtime.distributed import cuda_device
+
+    assert cuda_device(5, {"LOCAL_WORLD_SIZE": "8"}, 8) == 5
+    assert cuda_device(5, {"SLURM_LOCALID": "5"}, 1) == 0  # srun bound one GPU to the task
+    with pytest.raises(UsageError, match=r"8 ranks on this node but 4 GPU\(s\) visible.*launcher.nproc_per_node"):
+        cuda_device(1, {"LOCAL_WORLD_SIZE": "8"}, 4)
