@@ -69,6 +69,7 @@ class RolloutWorkers:
                 env.pop("SLURM_PROCID", None)
                 if gpus:  # its own GPU after the trainer's; fewer GPUs than processes: shared in turn
                     env["CUDA_VISIBLE_DEVICES"] = str((first_gpu + worker * self.tp + rank) % gpus)
+                    del env["LOCAL_WORLD_SIZE"]  # a process that sees one GPU, as under srun (distributed.cuda_device)
                 log = open(self.log_path(worker, rank), "w")
                 self.logs.append(log)
                 self.procs.append(popen([sys.executable, "-m", "aligner.launch.worker", entry, str(config_path),
