@@ -24,11 +24,11 @@ The checks, in order (bench/accept_checks.py holds each, its sizes and its gates
   ppo         5 steps with the critic service, when PyTriton is installed (a second call carries it)
 On the device, where no zygote was handed to it, the kit starts its own and forks its processes from it once a
 forked probe has used the GPU (bench/accept_zygote.py).
-Each check runs in a process of its own under its own time limit (and the run's --budget), so a hang costs
-one check. DIR/accept.json holds the commit, the device and one record per check: status (pass, fail,
-known_fail, timeout, skipped), seconds, expected and measured figures, a reason, and the tail of its log
-when it did not pass. `--only` reruns the named checks into an existing accept.json. DIR/accept.log gets
-each check's log tail; the runs themselves stay under --work.
+Each check runs in a process of its own under its own time limit (and the run's --budget), so a hang costs one
+check. DIR/accept.json holds the commit, the device and one record per check: status (pass, fail, known_fail,
+timeout, skipped, budget: ended when the budget ran out), seconds, expected and measured figures, a reason, and
+the tail of its log when it did not pass. `--only` reruns the named checks into an existing accept.json.
+DIR/accept.log gets each check's log tail; the runs themselves stay under --work.
 """
 from __future__ import annotations
 
@@ -128,10 +128,11 @@ def end_tree(proc: subprocess.Popen, work: Path) -> None:
     proc.wait()
 
 
-def run_check(name: str, limit: float, args, log: Path) -> tuple[dict, bool]:
+def run_check(name: str, limit: float, args, log: Path, cut: bool = False) -> tuple[dict, bool]:
     """CHECKS[name] in a child process, in a session of its own (so that a timeout ends everything it started),
     forked from a live zygote when ALIGNER_ZYGOTE names one (the test suite's: seconds of imports saved per
-    check and per run): (its record, whether the kit was stopped meanwhile)."""
+    check and per run): (its record, whether the kit was stopped meanwhile). `cut`: `limit` is what was left of
+    the run's budget, under the check's own: a check still running then is recorded as "budget", not a timeout."""
     record_path = args.work / "records" / f"{name}.json"
     record_path.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -146,7 +147,8 @@ def run_check(name: str, limit: float, args, log: Path) -> tuple[dict, bool]:
         try:
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            status = {"status": "timeout", "reason": f"still running after its limit of {limit:.0f} s"}
+            status = ({"status": "budget", "reason": f"ended after {limit:.0f} s, when the run's budget ran out"}
+                      if cut else {"status": "timeout", "reason": f"still running after its limit of {limit:.0f} s"})
         except Stopped:
             status = {"status": "timeout", "reason": "the kit was stopped (SIGTERM) while this check ran"}
             stopped = True
@@ -246,14 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in todo:
             left = deadline - time.monotonic()
-            limit = min(CHECKS[name][2 if args.dry_run else 1], left)
+            own = CHECKS[name][2 if args.dry_run else 1]
+            limit = min(own, left)
             log = args.work / "logs" / f"{name}.log"
             stopped = False
             if limit < MIN_CHECK_S:
                 record = {"status": "skipped", "reason": f"the run's budget was spent ({left:.0f} s left)",
                           "seconds": 0.0}
             else:
-                record, stopped = run_check(name, limit, args, log)
+                record, stopped = run_check(name, limit, args, log, cut=limit < own)
             record["commit"] = commit
             result["checks"][name] = record
             write_json(result_path, result)

@@ -904,9 +904,10 @@ def trl(ctx: Context) -> dict:
 
 
 # name -> (function, time limit in seconds on the device, in the dry run). In the order a lent GPU's few minutes
-# need them: the limits add up to more than the run's budget, and a check left without enough of it is recorded as
-# skipped. Correctness of training, resume and RL first, then the speed figures, then what is skipped or known to
-# be slow to start on the lent machines (no Transformer Engine; pytest's FP8 export may build ModelOpt's CUDA
+# need them: the limits add up to more than the run's budget; a check left with under 20 s of it is recorded
+# as skipped, and one that the budget's end stops as "budget" (a run too short for it, not a hang or a failure).
+# Correctness of training, resume and RL first, then the speed figures, then what is skipped or known to be slow
+# to start on the lent machines (no Transformer Engine; pytest's FP8 export may build ModelOpt's CUDA
 # extension), then the TRL peer, and PPO, which needs PyTriton's wheels and so a call of its own.
 CHECKS = {
     "env": (env, 60, 60),

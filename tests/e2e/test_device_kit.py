@@ -1,6 +1,6 @@
 """The device acceptance kit (bench/accept.py, scripts/device/): its dry run on this CPU, so that the kit
 cannot rot between loans of a GPU; `--only` reruns into an existing accept.json; a check past its time is
-ended and recorded as a timeout; the manifest and size check of the files the kit carries
+ended and recorded as cut by the budget; the manifest and size check of the files the kit carries
 (scripts/device/manifest.py, on a temporary folder: no download). The model-FLOPs formula by hand:
 tests/unit/test_accept_flops.py."""
 from __future__ import annotations
@@ -100,13 +100,14 @@ def test_only_reruns_the_named_checks_into_the_same_report(dry_run):
     assert list(rerun["checks"]) == list(CHECKS)
 
 
-def test_a_check_past_its_time_is_ended_and_recorded_as_a_timeout(tmp_path):
-    """sft on a fresh work directory needs ~40 s here; a budget of 21 s ends it (and the runs it started)."""
+def test_a_check_past_its_time_is_ended_and_recorded_as_cut_by_the_budget(tmp_path):
+    """sft on a fresh work directory needs ~40 s here; a budget of 21 s ends it (and the runs it started), and
+    records it as ended by the budget (a run too short for it), not as a timeout of its own limit."""
     result = accept("--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--only", "sft", "--budget", "21",
                     env=FRESH)  # processes named by their command lines: not forked from the zygote
-    assert result.returncode == 1
+    assert result.returncode == 0  # not a failure of the code under test
     record = json.loads((tmp_path / "out" / "accept.json").read_text())["checks"]["sft"]
-    assert record["status"] == "timeout" and "21 s" in record["reason"] and 21 <= record["seconds"] < 40
+    assert record["status"] == "budget" and "21 s" in record["reason"] and 21 <= record["seconds"] < 40
     # the output of the commands it was waiting for, which it never got to print, is in its log
     log = (tmp_path / "work" / "logs" / "sft.log").read_text()
     assert re.search(r"--- run\d\d_(convert|train)\.(out|err) \(its last", log), log[-2000:]
