@@ -70,8 +70,7 @@ def sampling_kwargs(params: SamplingParams, seed: int, eos_id: Optional[int], pr
 def processed_logprobs_mode(sampling_params_class):
     """The `logprobs_mode` value of `sampling_params_class` (TensorRT-LLM's SamplingParams) that returns the
     log-probs of the processed (sampled) distribution, or None where the setting does not exist."""
-    fields = getattr(sampling_params_class, "__dataclass_fields__", None) or getattr(
-        sampling_params_class, "model_fields", {})
+    fields = getattr(sampling_params_class, "__dataclass_fields__", {})  # a dataclass in TensorRT-LLM 1.x
     if "logprobs_mode" not in fields:
         return None
     default = getattr(fields["logprobs_mode"], "default", None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.models import hf_weights as hw
@@ -117,7 +116,7 @@ def compare_weights(engine_model, trainer_model, vocab_size: int | None = None) 
             unequal = max(unequal, float(p.dtype != q.dtype or not torch.equal(p, q.to(p.dtype))))
             worst = max(worst, (p.float() - q.float()).abs().max().item() if p.numel() else 0.0)
     stats = torch.tensor([1.0 - shared, unequal, worst], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if collectives.several_ranks():
         collectives.all_reduce(stats, op=collectives.ReduceOp.MAX)
     return {"shared": stats[0].item() == 0.0, "bitwise": stats[1].item() == 0.0,
             "max_abs_diff": stats[2].item(), "params": len(mine)}

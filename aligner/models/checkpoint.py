@@ -241,8 +241,9 @@ def load_weights(path, model) -> None:
     `model`'s own adapters, if any, are not touched."""
     inner = unwrap(model)
     outputs = _head_outputs(inner)
-    missing = outputs if not _load_into(path, inner, outputs) and outputs is not None else None
-    if dist.is_initialized() and dist.get_world_size() > 1:  # only the last stages know: every rank refuses
+    loaded = _load_into(path, inner, outputs)
+    missing = outputs if outputs is not None and not loaded else None
+    if collectives.several_ranks():  # only the last stages know: every rank refuses
         missing = next((n for n in collectives.all_gather_object(missing) if n is not None), None)
     if missing is not None:
         raise checkpoint_keys.CheckpointMismatch(
@@ -317,10 +318,10 @@ def lora_base(path, meta: dict | None = None) -> str:
     Collective where a process group exists: rank 0 reads the fingerprint's samples (at 405B, thousands of files
     that every rank would otherwise read from the shared filesystem) and every rank decides on its answer."""
     base = (meta or read_metadata(path))["lora"]["base"]
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    lead = not distributed or dist.get_rank() == 0
+    several = collectives.several_ranks()
+    lead = not several or dist.get_rank() == 0
     now = fingerprint(base["path"]) if lead and is_complete(base["path"]) else None
-    if distributed:
+    if several:
         now = collectives.broadcast_object(now, src=0)
     if now is None:
         raise ChangedBase(f"the LoRA checkpoint's base {base['path']} is not a complete checkpoint any more",

@@ -124,6 +124,11 @@ def barrier(group=None) -> None:
     dist.barrier(group=group)
 
 
+def several_ranks() -> bool:
+    """Whether this process is one rank of a world of several (else a collective has nothing to do)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 LONG_WAIT_S = 6 * 3600  # a lead rank that fails ends the job through its launcher; this bounds one that hangs
 _waits = 0  # wait_for_rank calls of this process: every rank makes them in the same order (the store key's number)
 
@@ -135,7 +140,7 @@ def wait_for_rank(src: int, wait_s: float = LONG_WAIT_S) -> None:
     watchdog aborts the job); the collective that follows then starts with every rank ready."""
     global _waits
     _waits += 1
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not several_ranks():
         return
     _note("wait_for_rank", None)
     store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the world's rendezvous store

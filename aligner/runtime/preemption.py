@@ -91,12 +91,11 @@ def shield_exit() -> None:
 def stop_agreed() -> bool:
     """Whether any rank has been asked to stop. Collective over the default process group."""
     import torch  # not at module level: the stop request is taken before torch is imported
-    import torch.distributed as dist
 
     from aligner.runtime import collectives  # imports torch
 
     local = _requested.is_set()
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not collectives.several_ranks():
         return local
     flag = torch.tensor([int(local)], dtype=torch.int32)
     return bool(collectives.all_reduce(flag, op=collectives.ReduceOp.MAX).item())
